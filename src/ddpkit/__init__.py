@@ -1,0 +1,25 @@
+"""ddpkit: distributed data-parallel training on PyTorch.
+
+Public API (stable names): World, init, shutdown, distributed, spawn, and, as they
+land, DataParallel, join, Checkpointer and the comm/data subpackages.
+"""
+
+from ddpkit.errors import CommError, ConfigError, DdpkitError
+from ddpkit.runtime import distributed, init, shutdown
+from ddpkit.spawn import SpawnError, spawn
+from ddpkit.topology import Topology
+from ddpkit.world import World
+
+__all__ = [
+    "CommError",
+    "ConfigError",
+    "DdpkitError",
+    "SpawnError",
+    "Topology",
+    "World",
+    "distributed",
+    "init",
+    "shutdown",
+    "spawn",
+]
+__version__ = "0.1.0"

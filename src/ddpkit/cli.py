@@ -1,0 +1,50 @@
+"""The ``ddpkit`` command: one subcommand per module in ``ddpkit.commands``.
+
+Each command module exposes ``register(subparsers)``, which adds its parser and sets
+``func(args) -> int``. User errors (:class:`DdpkitError`) become one line on stderr and
+exit code 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ddpkit.errors import DdpkitError
+
+# Order here is the order in `ddpkit --help`.
+COMMANDS = ("train", "verify", "launch", "topology", "bench", "plan", "slurm")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddpkit", description="Distributed data-parallel training on PyTorch."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"ddpkit.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"ddpkit.commands.{name}":
+                raise
+            continue  # command not built yet
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DdpkitError as err:
+        print(f"ddpkit {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"ddpkit {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

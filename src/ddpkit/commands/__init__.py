@@ -1,0 +1,1 @@
+"""Subcommands of the ``ddpkit`` CLI, one module each (see ddpkit.cli)."""

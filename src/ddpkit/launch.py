@@ -1,0 +1,144 @@
+"""``ddpkit launch``: torchrun's elastic agent with safer defaults and a readable failure.
+
+We do not write an agent: the arguments are turned into torchrun's own and handed to
+``torch.distributed.run`` (``torch.distributed.run.run``), so a script that
+runs under plain torchrun runs unchanged here. What we add:
+
+* standalone rendezvous on a free port by default (no hard-coded 29500);
+* per-rank output prefixed ``[default<local rank>]:`` (torchrun's ``--tee``);
+* a multi-node endpoint that is one of this host's own addresses marks this node as the
+  store host (``is_host=1``): torchrun decides that by hostname, which fails inside
+  containers and network namespaces and leaves every node waiting as a client;
+* the first failing rank reported once, in one line, with exit code != 0.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ddpkit.errors import ConfigError
+from ddpkit.log import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class LaunchOptions:
+    nproc_per_node: int | None = None  # None: one per accelerator, or 2 on CPU
+    nnodes: str = "1"  # "N" or elastic "MIN:MAX"
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "ddpkit"
+    max_restarts: int = 0
+    monitor_interval: float = 0.5
+    module: bool = False
+    no_python: bool = False
+    local_addr: str | None = None
+    log_dir: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def default_nproc() -> int:
+    import torch
+
+    if torch.accelerator.is_available():
+        return torch.accelerator.device_count()
+    return 2
+
+
+def check_nproc(nproc: int) -> None:
+    import torch
+
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ConfigError(f"--nproc-per-node must be a positive integer, got {nproc!r}")
+    if torch.accelerator.is_available():
+        found = torch.accelerator.device_count()
+        kind = torch.accelerator.current_accelerator().type.upper()
+        if nproc > found:
+            raise ConfigError(
+                f"--nproc-per-node {nproc} requires at least {nproc} {kind}s, found {found}"
+            )
+
+
+def local_addresses() -> set[str]:
+    """Addresses of this host's interfaces (best effort, stdlib only)."""
+    addrs = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
+    try:
+        addrs.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None))
+    except OSError:
+        pass
+    try:  # Linux: every IPv4 address assigned in this network namespace
+        import subprocess
+
+        out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
+                             text=True, timeout=5).stdout
+        addrs.update(line.split()[3].split("/")[0] for line in out.splitlines() if len(line.split()) > 3)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return addrs
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT (e.g. 10.0.0.1:29400)")
+    return host, int(port)
+
+
+def torchrun_argv(opts: LaunchOptions, nproc: int) -> list[str]:
+    argv = ["--nnodes", opts.nnodes, "--nproc-per-node", str(nproc),
+            "--max-restarts", str(opts.max_restarts),
+            "--monitor-interval", str(opts.monitor_interval), "--tee", "3"]
+    if opts.log_dir:
+        argv += ["--log-dir", opts.log_dir]
+    single_node = opts.nnodes in ("1", "1:1")
+    if opts.rdzv_endpoint is None:
+        if not single_node:
+            raise ConfigError(f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT of the first node")
+        argv.append("--standalone")
+    else:
+        host, _ = split_endpoint(opts.rdzv_endpoint)
+        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", opts.rdzv_endpoint,
+                 "--rdzv-id", opts.rdzv_id]
+        if opts.node_rank is not None:
+            argv += ["--node-rank", str(opts.node_rank)]
+        is_host = host in local_addresses() if opts.node_rank is None else opts.node_rank == 0
+        if is_host:
+            argv += ["--rdzv-conf", "is_host=1"]
+        local_addr = opts.local_addr or (host if is_host else None)
+        if local_addr:
+            argv += ["--local-addr", local_addr]
+    if opts.module:
+        argv.append("--module")
+    if opts.no_python:
+        argv.append("--no-python")
+    return argv
+
+
+def launch(script: str, script_args: Sequence[str], opts: LaunchOptions | None = None) -> int:
+    """Run ``script`` on every local rank under torchrun's agent; return an exit code."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    opts = opts or LaunchOptions()
+    nproc = default_nproc() if opts.nproc_per_node is None else opts.nproc_per_node
+    check_nproc(nproc)
+    if not opts.module and not opts.no_python and not os.path.isfile(script):
+        raise ConfigError(f"script {script!r} does not exist; give the path of a Python file")
+    args = torchrun.parse_args([*torchrun_argv(opts, nproc), script, *script_args])
+    os.environ.update(opts.extra_env)
+    try:
+        torchrun.run(args)  # the real agent; it also turns --standalone into a free port
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        print(
+            f"ddpkit launch: rank {rank} failed first (exit code {failure.exitcode}, "
+            f"pid {failure.pid}); its traceback is above, prefixed [default{failure.local_rank}]",
+            file=sys.stderr,
+        )
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0

@@ -1,0 +1,129 @@
+"""Process-group life cycle: one idempotent init, one teardown that always runs.
+
+The backend follows the device (``get_default_backend_for_device``: nccl on CUDA, gloo
+on CPU, ...), so the same program runs on a laptop in tests and on GPUs in production.
+A single process with no launcher still gets a real (world size 1) process group, so
+code never needs an ``if distributed:`` branch around its collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.errors import ConfigError
+from ddpkit.log import get_logger
+from ddpkit.world import World
+
+log = get_logger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+_INIT_SCHEMES = ("env://", "tcp://", "file://")
+
+_world: World | None = None  # what init() set up in this process, if anything
+
+
+def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    else:
+        seconds = float(timeout)
+    if seconds <= 0:
+        raise ConfigError(f"timeout must be positive, got {seconds} s")
+    return timedelta(seconds=seconds)
+
+
+def resolve_backend(backend: str, device: str) -> str:
+    if backend != "auto":
+        if backend not in ("gloo", "nccl", "mpi", "xccl", "ucc") and ":" not in backend:
+            raise ConfigError(f"unknown backend {backend!r}; use auto, gloo, nccl or mpi")
+        if backend == "mpi" and not dist.is_mpi_available():
+            raise ConfigError("backend 'mpi' needs a torch built with MPI; use gloo, or build torch with MPI")
+        return backend
+    return dist.get_default_backend_for_device(torch.device(device))
+
+
+def init(
+    backend: str = "auto",
+    init_method: str | None = None,
+    timeout: float | timedelta | None = None,
+    *,
+    world: World | None = None,
+    devices_per_process: int = 1,
+) -> World:
+    """Join the job's process group and return this process's :class:`World`.
+
+    ``init_method``: ``env://`` (default; MASTER_ADDR/MASTER_PORT), ``tcp://host:port``
+    or ``file:///shared/path``. ``timeout`` bounds every collective: give stragglers
+    enough room (seed 001), but not so much that a dead peer hangs the job for hours.
+    Calling init again returns the same World.
+    """
+    global _world
+    if dist.is_initialized():
+        if _world is None:  # someone else (a user's own init) created the group
+            _world = World.from_env(require_master_addr=False)
+        return _world
+    if init_method is not None and not init_method.startswith(_INIT_SCHEMES):
+        raise ConfigError(
+            f"init method {init_method!r} is not one of env://, tcp://host:port, file:///path"
+        )
+    rendezvous_elsewhere = init_method is not None and not init_method.startswith("env://")
+    world = world or World.from_env(
+        devices_per_process=devices_per_process, require_master_addr=not rendezvous_elsewhere
+    )
+    backend = resolve_backend(backend, world.device)
+    device = torch.device(world.device)
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index)
+    kwargs = dict(
+        backend=backend, rank=world.rank, world_size=world.world_size, timeout=_as_timedelta(timeout)
+    )
+    if backend == "nccl":
+        kwargs["device_id"] = device  # eager NCCL init: errors surface here, not at first use
+    if init_method is None and world.world_size == 1 and world.master_addr is None:
+        # No launcher: a private in-memory store makes a real group of one.
+        dist.init_process_group(store=dist.HashStore(), **kwargs)
+    else:
+        dist.init_process_group(init_method=init_method or "env://", **kwargs)
+    _world = world
+    log.debug(f"initialized {backend} process group: {world}")
+    return world
+
+
+def shutdown() -> None:
+    """Destroy the process group if one exists; safe to call any number of times."""
+    global _world
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _world = None
+
+
+def current_world() -> World | None:
+    return _world
+
+
+@contextlib.contextmanager
+def distributed(
+    backend: str = "auto",
+    init_method: str | None = None,
+    timeout: float | timedelta | None = None,
+    **kwargs,
+) -> Iterator[World]:
+    """``with ddpkit.distributed() as world:`` - init on entry, teardown on any exit.
+
+    Only a group this call created is destroyed: nesting inside a caller's own init
+    leaves the caller's group alone.
+    """
+    owned = not dist.is_initialized()
+    world = init(backend, init_method, timeout, **kwargs)
+    try:
+        yield world
+    finally:
+        if owned:
+            shutdown()

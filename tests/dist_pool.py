@@ -1,0 +1,112 @@
+"""Long-lived gloo worker processes for tests.
+
+Starting a process that imports torch costs seconds on this machine, so each world size
+gets one pool of workers per test session. ``pool.run(fn, *args)`` runs
+``fn(world, *args)`` on every rank (``fn`` must be a module-level function) and returns
+the results by rank. A task that fails or times out may leave other ranks stuck in a
+collective, so the pool is then torn down and rebuilt on next use.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import shutil
+import tempfile
+import time
+import traceback
+
+
+class RankFailure(AssertionError):
+    def __init__(self, rank: int, text: str):
+        super().__init__(f"rank {rank} failed:\n{text}")
+        self.rank = rank
+        self.text = text
+
+
+def _worker(rank, world_size, store_path, tasks, results):
+    import torch
+
+    from ddpkit import runtime
+    from ddpkit.spawn import worker_env
+
+    os.environ.update(worker_env(rank, world_size))
+    torch.set_num_threads(1)
+    world = runtime.init("gloo", f"file://{store_path}", timeout=60)
+    try:
+        while True:
+            task = tasks.get()
+            if task is None:
+                break
+            fn, args, seq = task
+            try:
+                results.put((seq, rank, True, fn(world, *args)))
+            except BaseException as exc:
+                results.put((seq, rank, False, "".join(traceback.format_exception(exc))))
+    finally:
+        runtime.shutdown()
+
+
+class DistPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._procs: list = []
+        self._seq = 0
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.mkdtemp(prefix=f"ddpkit-pool{self.world_size}-")
+        store = os.path.join(self._tmp, "store")
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, self.world_size, store, self._tasks[r], self._results),
+                        daemon=True)
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, timeout: float = 120.0) -> list:
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        self._seq += 1
+        for q in self._tasks:
+            q.put((fn, args, self._seq))
+        values, failures = {}, {}
+        deadline = time.monotonic() + timeout
+        while len(values) + len(failures) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if failures:  # survivors may be stuck waiting for the failed rank
+                remaining = min(remaining, 3.0)
+            try:
+                seq, rank, ok, payload = self._results.get(timeout=max(remaining, 0.01))
+            except queue_mod.Empty:
+                break
+            if seq != self._seq:
+                continue
+            (values if ok else failures)[rank] = payload
+        if failures or len(values) < self.world_size:
+            self.close()
+            if failures:
+                rank = min(failures)
+                raise RankFailure(rank, failures[rank])
+            missing = sorted(set(range(self.world_size)) - set(values))
+            raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} within {timeout} s")
+        return [values[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for q, p in zip(getattr(self, "_tasks", []), self._procs):
+            if p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=3)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
+        if getattr(self, "_tmp", None):
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None

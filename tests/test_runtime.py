@@ -1,0 +1,89 @@
+"""Process-group life cycle: init methods, idempotence, teardown, spawn, the logger."""
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ddpkit
+from ddpkit import ConfigError, SpawnError
+from ddpkit.log import get_logger
+from ddpkit.runtime import resolve_backend
+
+
+def _sum_ranks(world):
+    t = torch.tensor([float(world.rank + 1)])
+    dist.all_reduce(t)
+    return world.rank, world.world_size, dist.get_backend(), t.item()
+
+
+@pytest.mark.parametrize("rendezvous, nprocs", [("file", 2), ("env", 2), ("tcp", 3), ("file", 3)])
+def test_init_methods(rendezvous, nprocs):
+    out = ddpkit.spawn(_sum_ranks, nprocs, rendezvous=rendezvous)
+    expected = nprocs * (nprocs + 1) / 2
+    assert out == [(r, nprocs, "gloo", expected) for r in range(nprocs)]
+
+
+def _raise_on_rank_one(world, message):
+    if world.rank == 1:
+        raise KeyError(message)
+    dist.barrier()  # rank 0 waits on a peer that never comes: spawn must not hang
+    return "unreachable"
+
+
+def test_spawn_reraises_child_exception_with_rank():
+    with pytest.raises(SpawnError, match=r"rank 1 failed: KeyError: 'from-child'") as info:
+        ddpkit.spawn(_raise_on_rank_one, 2, args=("from-child",), timeout=30)
+    assert info.value.rank == 1
+    assert "_raise_on_rank_one" in str(info.value)  # the child's traceback travels
+
+
+def test_spawn_rejects_bad_nprocs():
+    with pytest.raises(ddpkit.DdpkitError, match="nprocs"):
+        ddpkit.spawn(_sum_ranks, 0)
+
+
+def test_single_process_init_is_idempotent_and_torn_down(clean_env):
+    with ddpkit.distributed() as world:
+        assert dist.is_initialized() and world.world_size == 1
+        assert ddpkit.init() is world  # second init returns the same World
+        t = torch.ones(3)
+        dist.all_reduce(t)  # a real group of one: collectives just work
+        assert t.tolist() == [1.0, 1.0, 1.0]
+    assert not dist.is_initialized()
+    ddpkit.shutdown()  # safe when nothing is initialized
+
+
+def test_context_manager_tears_down_on_error(clean_env):
+    with pytest.raises(RuntimeError, match="inside"), ddpkit.distributed():
+        raise RuntimeError("inside")
+    assert not dist.is_initialized()
+
+
+def test_bad_init_method_and_timeout(clean_env):
+    with pytest.raises(ConfigError, match="init method"):
+        ddpkit.init(init_method="udp://x")
+    with pytest.raises(ConfigError, match="timeout must be positive"):
+        ddpkit.init(timeout=0)
+    assert not dist.is_initialized()
+
+
+def test_backend_follows_device():
+    assert resolve_backend("auto", "cpu") == "gloo"
+    with pytest.raises(ConfigError, match="unknown backend"):
+        resolve_backend("carrier-pigeon", "cpu")
+
+
+def test_logger_prefixes_rank_and_filters(clean_env, caplog):
+    logger = get_logger("ddpkit.test")
+    with caplog.at_level(logging.INFO, logger="ddpkit"):  # pytest hooks the ddpkit logger
+        logger.info("hello")
+        clean_env.setenv("RANK", "1")
+        logger.info("hidden on rank 1")
+        logger.info("shown", all_ranks=True)
+        clean_env.setenv("RANK", "0")
+        logger.warning_once("once")
+        logger.warning_once("once")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["[rank 0] hello", "[rank 1] shown", "[rank 0] once"]
