@@ -82,6 +82,34 @@ def local_addresses() -> set[str]:
     return addrs
 
 
+def route_to(host: str) -> tuple[str | None, str | None]:
+    """(source address, interface name) this host uses to reach ``host``; None where unknown.
+
+    A UDP ``connect`` sends no packet: the kernel only picks the route, which tells us the
+    address peers can reach us by. Every node needs one: the rank-0 node's ``local_addr``
+    becomes every worker's MASTER_ADDR, and without ``--local-addr`` torchrun uses
+    ``getfqdn()``, which in containers and namespaces is often ``localhost``.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, 9))
+            addr = probe.getsockname()[0]
+    except OSError:
+        return None, None
+    try:  # the interface that owns the address (not the route's: a host's own IP routes via lo)
+        import subprocess
+
+        out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
+                             text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return addr, None
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) > 3 and parts[3].split("/")[0] == addr:
+            return addr, parts[1]
+    return addr, None
+
+
 def split_endpoint(endpoint: str) -> tuple[str, int]:
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -109,7 +137,7 @@ def torchrun_argv(opts: LaunchOptions, nproc: int) -> list[str]:
         is_host = host in local_addresses() if opts.node_rank is None else opts.node_rank == 0
         if is_host:
             argv += ["--rdzv-conf", "is_host=1"]
-        local_addr = opts.local_addr or (host if is_host else None)
+        local_addr = opts.local_addr or (host if is_host else route_to(host)[0])
         if local_addr:
             argv += ["--local-addr", local_addr]
     if opts.module:
@@ -131,6 +159,13 @@ def launch(script: str, script_args: Sequence[str], opts: LaunchOptions | None =
         raise ConfigError(f"script {script!r} does not exist; give the path of a Python file")
     args = torchrun.parse_args([*torchrun_argv(opts, nproc), script, *script_args])
     os.environ.update(opts.extra_env)
+    if opts.rdzv_endpoint and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo binds to the address of this host's name, often 127.0.0.1: peers on other
+        # nodes then get "connection refused". Use the interface that reaches the endpoint.
+        ifname = route_to(split_endpoint(opts.rdzv_endpoint)[0])[1]
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+            log.info(f"GLOO_SOCKET_IFNAME={ifname} (the interface toward the rendezvous)")
     try:
         torchrun.run(args)  # the real agent; it also turns --standalone into a free port
     except ChildFailedError as err:
