@@ -1,0 +1,236 @@
+"""Training configuration: one dataclass per concern, one documented precedence.
+
+    command line  >  TOML file (--config)  >  dataclass defaults
+
+A TOML file has one table per concern, with the dataclasses' field names::
+
+    [data]
+    name = "digits"          # digits | mnist | synthetic
+    [model]
+    name = "mlp"
+    hidden = [128]
+    [optim]
+    lr = 0.1
+    [train]
+    epochs = 20
+    batch_size = 128         # global: split over the ranks
+
+Every value is checked once, in :meth:`Config.validate`, so a bad value fails before
+any process starts, as one line naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddpkit.data.datasets import DATASETS
+from ddpkit.errors import ConfigError
+from ddpkit.train.models import MODELS
+
+ENGINES = ("ddpkit", "torch")
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits"
+    data_dir: str | None = None
+    synthetic_size: int = 8192
+    drop_last: bool = False  # False: pad the last global batch (padding never counted)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "mlp"
+    hidden: list[int] = field(default_factory=lambda: [128])  # MLP only
+
+
+@dataclass
+class OptimConfig:
+    # SGD with momentum. The tutorial's lr=0.01, momentum=0.5 reaches ~91% on digits in
+    # 20 epochs; these defaults reach ~98% in the same budget.
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 20
+    batch_size: int = 128  # global batch: each of W ranks reads batch_size // W per step
+    eval_batch_size: int = 1024  # global, for the test pass
+    seed: int = 1234
+    engine: str = "ddpkit"  # ddpkit's DataParallel, or torch's DistributedDataParallel
+    out_dir: str = "runs"
+    progress: bool = True  # tqdm bar on rank 0
+    threads: int = 0  # torch threads per process; 0: cores shared evenly by local ranks
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    # ------------------------------------------------------------- (de)serialize
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> Config:
+        cfg = cls()
+        cfg.update(raw, source=source)
+        return cfg
+
+    def update(self, raw: dict[str, Any], *, source: str) -> None:
+        """Overlay ``{section: {field: value}}`` onto this config, checking names and types."""
+        sections = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for section, values in raw.items():
+            if section not in sections:
+                raise ConfigError(
+                    f"{source}: unknown section [{section}]; known: {', '.join(sections)}"
+                )
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: [{section}] must be a table of key = value")
+            target = sections[section]
+            known = {f.name: f for f in dataclasses.fields(target)}
+            for key, value in values.items():
+                if key not in known:
+                    raise ConfigError(
+                        f"{source}: unknown key {section}.{key}; known: {', '.join(known)}"
+                    )
+                setattr(target, key, _coerce(value, getattr(target, key), known[key],
+                                             f"{source}: {section}.{key}"))
+
+    # ------------------------------------------------------------- validation
+    def validate(self) -> Config:
+        def bad(key: str, msg: str) -> ConfigError:
+            return ConfigError(f"{key} {msg}")
+
+        d, m, o, t = self.data, self.model, self.optim, self.train
+        if d.name not in DATASETS:
+            raise bad("--data", f"{d.name!r} is not one of {', '.join(DATASETS)}")
+        if d.synthetic_size < 1:
+            raise bad("data.synthetic_size", f"must be >= 1, got {d.synthetic_size}")
+        if m.name not in MODELS:
+            raise bad("--model", f"{m.name!r} is not one of {', '.join(MODELS)}")
+        if not m.hidden or any(h < 1 for h in m.hidden):
+            raise bad("--hidden", f"must be positive integers, got {m.hidden}")
+        if not o.lr > 0:
+            raise bad("--lr", f"must be > 0, got {o.lr}")
+        if not 0 <= o.momentum < 1:
+            raise bad("--momentum", f"must be in [0, 1), got {o.momentum}")
+        if o.weight_decay < 0:
+            raise bad("optim.weight_decay", f"must be >= 0, got {o.weight_decay}")
+        if t.epochs < 1:
+            raise bad("--epochs", f"must be >= 1, got {t.epochs}")
+        if t.batch_size < 1:
+            raise bad("--batch-size", f"must be >= 1, got {t.batch_size}")
+        if t.eval_batch_size < 1:
+            raise bad("train.eval_batch_size", f"must be >= 1, got {t.eval_batch_size}")
+        if t.seed < 0:
+            raise bad("--seed", f"must be >= 0, got {t.seed}")
+        if t.engine not in ENGINES:
+            raise bad("--engine", f"{t.engine!r} is not one of {', '.join(ENGINES)}")
+        if t.threads < 0:
+            raise bad("train.threads", f"must be >= 0, got {t.threads}")
+        if not t.out_dir:
+            raise bad("--out-dir", "must not be empty")
+        return self
+
+
+def _coerce(value: Any, current: Any, f: dataclasses.Field, key: str) -> Any:
+    """Check a file/CLI value against the field's type (bool is not an int here)."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if value is None:
+        if "None" in kind:
+            return None
+        raise ConfigError(f"{key} must not be empty")
+    if kind.startswith("list"):
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise ConfigError(f"{key} must be a list of integers, got {value!r}")
+        return list(value)
+    if kind.startswith("bool"):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return value
+    if kind.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        return value
+    if kind.startswith("float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        return float(value)
+    if not isinstance(value, str):
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    return value
+
+
+def read_toml(path: str | os.PathLike) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise ConfigError(
+                "reading --config needs Python >= 3.11 or `pip install tomli`"
+            ) from None
+    path = Path(path)
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except OSError as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
+
+
+# Command-line flag -> (section, field). Flags left unset on the command line are None,
+# which is how precedence knows not to override the file.
+CLI_FIELDS: dict[str, tuple[str, str]] = {
+    "data": ("data", "name"),
+    "data_dir": ("data", "data_dir"),
+    "synthetic_size": ("data", "synthetic_size"),
+    "model": ("model", "name"),
+    "hidden": ("model", "hidden"),
+    "lr": ("optim", "lr"),
+    "momentum": ("optim", "momentum"),
+    "epochs": ("train", "epochs"),
+    "batch_size": ("train", "batch_size"),
+    "seed": ("train", "seed"),
+    "engine": ("train", "engine"),
+    "out_dir": ("train", "out_dir"),
+    "threads": ("train", "threads"),
+    "progress": ("train", "progress"),
+}
+
+
+def resolve(
+    cli: dict[str, Any], config_file: str | os.PathLike | None = None
+) -> Config:
+    """Defaults, overlaid by the TOML file, overlaid by the command line; validated."""
+    cfg = Config()
+    if config_file is not None:
+        cfg.update(read_toml(config_file), source=f"--config {config_file}")
+    overrides: dict[str, dict[str, Any]] = {}
+    for name, (section, key) in CLI_FIELDS.items():
+        if cli.get(name) is not None:
+            overrides.setdefault(section, {})[key] = cli[name]
+    cfg.update(overrides, source="command line")
+    return cfg.validate()

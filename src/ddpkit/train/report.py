@@ -1,0 +1,103 @@
+"""What a run leaves behind: a fresh run directory, the JSONL log, the summary, the plot.
+
+Only rank 0 calls these. A run directory is never reused: its name is a timestamp plus a
+counter, created with ``exist_ok=False`` so two runs started in the same second (or on a
+shared file system) each get their own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ddpkit.errors import ConfigError
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+CONFIG_FILE = "config.json"
+PLOT_FILE = "curves.png"
+
+
+def check_out_dir(out_dir: str | os.PathLike) -> Path:
+    """Create ``out_dir`` if needed and make sure we can write there (before any process starts)."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out-dir {out}: cannot create it ({exc.strerror})") from None
+    if not out.is_dir():
+        raise ConfigError(f"--out-dir {out} exists and is not a directory")
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out-dir {out} is not writable; choose another with --out-dir")
+    return out
+
+
+def new_run_dir(out_dir: str | os.PathLike, tag: str) -> Path:
+    out = check_out_dir(out_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1000):
+        path = out / (f"{stamp}-{tag}" if n == 0 else f"{stamp}-{tag}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise ConfigError(f"--out-dir {out}: could not find a free run directory name")
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/inf: write them as null instead of producing invalid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    with path.open("a") as fh:
+        fh.write(json.dumps(_clean(record), sort_keys=True) + "\n")
+        fh.flush()
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    # Write-then-rename, so a reader never sees half a summary.
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(_clean(data), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_curves(history: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """Loss and accuracy per epoch, train and test, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a cluster node
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    for split, style in (("train", "-o"), ("test", "--s")):
+        ax_loss.plot(epochs, [h[f"{split}_loss"] for h in history], style, label=split, ms=3)
+        ax_acc.plot(epochs, [100 * h[f"{split}_acc"] for h in history], style, label=split, ms=3)
+    ax_loss.set(xlabel="epoch", ylabel="loss (mean per sample)", title="loss")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
