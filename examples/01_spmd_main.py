@@ -39,7 +39,9 @@ def demo_basic(device: torch.device) -> None:
 
 
 def spmd_main() -> None:
-    env_dict = {key: os.environ[key] for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env_dict = {
+        key: os.environ[key] for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+    }
     local_rank = int(os.environ["LOCAL_RANK"])
     print(f"[{os.getpid()}] Initializing process group with: {env_dict}")
     if torch.accelerator.is_available():

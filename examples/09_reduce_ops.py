@@ -9,8 +9,12 @@ Run:  ddpkit launch --nproc-per-node 2 examples/09_reduce_ops.py
 import torch
 import torch.distributed as dist
 
-FLOAT_OPS = {"SUM": dist.ReduceOp.SUM, "PRODUCT": dist.ReduceOp.PRODUCT,
-             "MIN": dist.ReduceOp.MIN, "MAX": dist.ReduceOp.MAX}
+FLOAT_OPS = {
+    "SUM": dist.ReduceOp.SUM,
+    "PRODUCT": dist.ReduceOp.PRODUCT,
+    "MIN": dist.ReduceOp.MIN,
+    "MAX": dist.ReduceOp.MAX,
+}
 BITWISE_OPS = {"BAND": dist.ReduceOp.BAND, "BOR": dist.ReduceOp.BOR, "BXOR": dist.ReduceOp.BXOR}
 
 

@@ -28,9 +28,15 @@ def pools():
 def clean_env(monkeypatch):
     """An environment with no launcher variables, for World parsing tests."""
     for key in list(os.environ):
-        if key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                   "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") or key.startswith(
-            ("SLURM_", "OMPI_", "PMI_", "MPI_LOCAL")
-        ):
+        if key in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "GROUP_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+        ) or key.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_LOCAL")):
             monkeypatch.delenv(key, raising=False)
     return monkeypatch

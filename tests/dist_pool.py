@@ -61,8 +61,11 @@ class DistPool:
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, self.world_size, store, self._tasks[r], self._results),
-                        daemon=True)
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, store, self._tasks[r], self._results),
+                daemon=True,
+            )
             for r in range(self.world_size)
         ]
         for p in self._procs:

@@ -51,8 +51,11 @@ def test_reduce_ops(pools):
 def test_every_collective_under_launch_three_ranks():
     proc = run_cli("launch", "--nproc-per-node", "3", "examples/08_collectives.py")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = {tuple(re.match(r"\[default(\d)\]:(\w+)\s+rank (\d): (.*)", line).groups())
-             for line in proc.stdout.splitlines() if re.match(r"\[default\d\]:\w+\s+rank", line)}
+    lines = {
+        tuple(re.match(r"\[default(\d)\]:(\w+)\s+rank (\d): (.*)", line).groups())
+        for line in proc.stdout.splitlines()
+        if re.match(r"\[default\d\]:\w+\s+rank", line)
+    }
     for r in range(3):
         assert (str(r), "broadcast", str(r), "[0.0]") in lines
         assert (str(r), "all_reduce", str(r), "[6.0]") in lines
@@ -69,8 +72,13 @@ def test_ddp_basic_spawn_keeps_replicas_identical():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "examples/02_ddp_basic_spawn.py"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "examples/02_ddp_basic_spawn.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     for rank in (0, 1):
         assert f"Finished running basic DDP example on rank {rank}." in proc.stdout

@@ -24,16 +24,21 @@ def test_invalid_combinations(args):
 
 
 def test_cli_prints_table(capsys):
-    assert main(["topology", "--nnodes", "2", "--devices-per-node", "4",
-                 "--devices-per-process", "2"]) == 0
+    assert (
+        main(["topology", "--nnodes", "2", "--devices-per-node", "4", "--devices-per-process", "2"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "W=4 processes" in out
-    assert any(line.split()[:3] == ["1", "1", "3"] and "gpu2, gpu3" in line
-               for line in out.splitlines())
+    assert any(
+        line.split()[:3] == ["1", "1", "3"] and "gpu2, gpu3" in line for line in out.splitlines()
+    )
 
 
 def test_cli_error_is_one_line(capsys):
-    assert main(["topology", "--nnodes", "1", "--devices-per-node", "3",
-                 "--devices-per-process", "2"]) == 2
+    assert (
+        main(["topology", "--nnodes", "1", "--devices-per-node", "3", "--devices-per-process", "2"])
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not divisible" in err[0]

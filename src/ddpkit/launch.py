@@ -14,6 +14,7 @@ runs under plain torchrun runs unchanged here. What we add:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -67,16 +68,15 @@ def check_nproc(nproc: int) -> None:
 def local_addresses() -> set[str]:
     """Addresses of this host's interfaces (best effort, stdlib only)."""
     addrs = {"127.0.0.1", "localhost", "::1", socket.gethostname()}
-    try:
+    with contextlib.suppress(OSError):
         addrs.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None))
-    except OSError:
-        pass
     try:  # Linux: every IPv4 address assigned in this network namespace
         import subprocess
 
         out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True,
                              text=True, timeout=5).stdout
-        addrs.update(line.split()[3].split("/")[0] for line in out.splitlines() if len(line.split()) > 3)
+        fields = [line.split() for line in out.splitlines()]
+        addrs.update(f[3].split("/")[0] for f in fields if len(f) > 3)
     except (OSError, subprocess.SubprocessError):
         pass
     return addrs
@@ -126,7 +126,9 @@ def torchrun_argv(opts: LaunchOptions, nproc: int) -> list[str]:
     single_node = opts.nnodes in ("1", "1:1")
     if opts.rdzv_endpoint is None:
         if not single_node:
-            raise ConfigError(f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT of the first node")
+            raise ConfigError(
+                f"--nnodes {opts.nnodes} needs --rdzv-endpoint HOST:PORT of the first node"
+            )
         argv.append("--standalone")
     else:
         host, _ = split_endpoint(opts.rdzv_endpoint)
@@ -169,11 +171,35 @@ def launch(script: str, script_args: Sequence[str], opts: LaunchOptions | None =
     try:
         torchrun.run(args)  # the real agent; it also turns --standalone into a free port
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, failure = root_cause(err.failures)
+        others = sorted(r for r in err.failures if r != rank)
+        also = f"; ranks {others} failed after it" if others else ""
         print(
             f"ddpkit launch: rank {rank} failed first (exit code {failure.exitcode}, "
-            f"pid {failure.pid}); its traceback is above, prefixed [default{failure.local_rank}]",
+            f"pid {failure.pid}); its traceback is above, prefixed [default{failure.local_rank}]"
+            f"{also}",
             file=sys.stderr,
         )
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
+
+
+# Messages of ranks that died only because a peer went away first.
+_PEER_GONE = ("Connection closed by peer", "Connection reset", "Broken pipe", "DistBackendError",
+              "DistNetworkError")
+
+
+def root_cause(failures: dict) -> tuple[int, object]:
+    """The failure that caused the others.
+
+    torchrun orders failures by error-file timestamp, which has one-second resolution:
+    a rank that raised and the peer whose collective then broke usually tie, and the
+    tie goes to the lower rank, often the victim. Among the earliest, prefer a failure
+    that is not a lost connection.
+    """
+    def key(item):
+        rank, failure = item
+        message = str(getattr(failure, "message", ""))
+        return (failure.timestamp, any(p in message for p in _PEER_GONE), rank)
+
+    return min(failures.items(), key=key)

@@ -43,7 +43,7 @@ class RankLogger(logging.LoggerAdapter):
     def error(self, msg, *args, **kwargs):
         self.log(logging.ERROR, msg, *args, **kwargs)
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 - one warning per (logger, message) is the point
+    @functools.cache  # noqa: B019 - one warning per (logger, message) is the point
     def warning_once(self, msg: str, all_ranks: bool = False) -> None:
         self.warning(msg, all_ranks=all_ranks)
 

@@ -30,10 +30,7 @@ _world: World | None = None  # what init() set up in this process, if anything
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
     if timeout is None:
         return DEFAULT_TIMEOUT
-    if isinstance(timeout, timedelta):
-        seconds = timeout.total_seconds()
-    else:
-        seconds = float(timeout)
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     if seconds <= 0:
         raise ConfigError(f"timeout must be positive, got {seconds} s")
     return timedelta(seconds=seconds)
@@ -44,7 +41,9 @@ def resolve_backend(backend: str, device: str) -> str:
         if backend not in ("gloo", "nccl", "mpi", "xccl", "ucc") and ":" not in backend:
             raise ConfigError(f"unknown backend {backend!r}; use auto, gloo, nccl or mpi")
         if backend == "mpi" and not dist.is_mpi_available():
-            raise ConfigError("backend 'mpi' needs a torch built with MPI; use gloo, or build torch with MPI")
+            raise ConfigError(
+                "backend 'mpi' needs a torch built with MPI; use gloo, or build torch with MPI"
+            )
         return backend
     return dist.get_default_backend_for_device(torch.device(device))
 
@@ -82,7 +81,10 @@ def init(
     if device.type != "cpu":
         torch.accelerator.set_device_index(device.index)
     kwargs = dict(
-        backend=backend, rank=world.rank, world_size=world.world_size, timeout=_as_timedelta(timeout)
+        backend=backend,
+        rank=world.rank,
+        world_size=world.world_size,
+        timeout=_as_timedelta(timeout),
     )
     if backend == "nccl":
         kwargs["device_id"] = device  # eager NCCL init: errors surface here, not at first use

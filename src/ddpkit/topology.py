@@ -31,11 +31,14 @@ class Topology:
         for name in ("nnodes", "devices_per_node", "devices_per_process"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} must be a positive integer, got {value}"
+                )
         if self.devices_per_node % self.devices_per_process:
             raise ConfigError(
                 f"--devices-per-node {self.devices_per_node} is not divisible by "
-                f"--devices-per-process {self.devices_per_process}; each process needs a whole block"
+                f"--devices-per-process {self.devices_per_process}"
+                "; each process needs a whole block"
             )
 
     @property
@@ -58,7 +61,9 @@ class Topology:
                     device_count=self.devices_per_node,
                 )
                 devices = tuple(int(n.split(":")[1]) for n in names)
-                table.append(Placement(node, local_rank, node * self.local_world_size + local_rank, devices))
+                table.append(
+                    Placement(node, local_rank, node * self.local_world_size + local_rank, devices)
+                )
         return table
 
     def render(self) -> str:

@@ -181,7 +181,8 @@ def _read_launcher(env: Mapping[str, str]) -> dict:
         else:
             raise ConfigError(
                 f"SLURM_NTASKS={world_size} tasks are spread unevenly over "
-                f"SLURM_NNODES={nnodes} nodes; use --ntasks-per-node so every node runs the same count"
+                f"SLURM_NNODES={nnodes} nodes; "
+                "use --ntasks-per-node so every node runs the same count"
             )
         if not common["master_addr"] and env.get("SLURM_JOB_NODELIST"):
             common["master_addr"] = _first_host(env["SLURM_JOB_NODELIST"])
@@ -219,9 +220,7 @@ def _read_launcher(env: Mapping[str, str]) -> dict:
     if "PMI_RANK" in env and "PMI_SIZE" in env:
         rank = _int(env, "PMI_RANK")
         world_size = _int(env, "PMI_SIZE")
-        local_world_size = (
-            _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else world_size
-        )
+        local_world_size = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else world_size
         return dict(
             source="pmi",
             rank=rank,
@@ -232,8 +231,16 @@ def _read_launcher(env: Mapping[str, str]) -> dict:
             nnodes=max(world_size // max(local_world_size, 1), 1),
             **common,
         )
-    return dict(source="single", rank=0, local_rank=0, world_size=1, local_world_size=1,
-                node_rank=0, nnodes=1, **common)
+    return dict(
+        source="single",
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        node_rank=0,
+        nnodes=1,
+        **common,
+    )
 
 
 def _detect_accelerator() -> tuple[str, int]:

@@ -10,15 +10,28 @@ from ddpkit.launch import LaunchOptions, launch
 def add_launch_options(p: argparse.ArgumentParser) -> None:
     """Options shared by `launch` and `train` (which launches itself)."""
     g = p.add_argument_group("launch")
-    g.add_argument("--nproc-per-node", type=int, default=None,
-                   help="processes on this node (default: one per GPU, or 2 on CPU)")
+    g.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="processes on this node (default: one per GPU, or 2 on CPU)",
+    )
     g.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX for elastic")
-    g.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous)")
-    g.add_argument("--rdzv-endpoint", default=None,
-                   help="HOST:PORT of the c10d rendezvous on the first node (multi-node)")
+    g.add_argument(
+        "--node-rank", type=int, default=None, help="this node's rank (static rendezvous)"
+    )
+    g.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        help="HOST:PORT of the c10d rendezvous on the first node (multi-node)",
+    )
     g.add_argument("--rdzv-id", default="ddpkit", help="job id shared by all nodes")
-    g.add_argument("--max-restarts", type=int, default=0,
-                   help="restart all workers up to K times when one fails")
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart all workers up to K times when one fails",
+    )
     g.add_argument("--local-addr", default=None, help="address other nodes reach this node by")
 
 
