@@ -4,6 +4,7 @@ Public API (stable names): World, init, shutdown, distributed, spawn, and, as th
 land, DataParallel, join, Checkpointer and the comm/data subpackages.
 """
 
+from ddpkit.checkpoint import Checkpointer
 from ddpkit.errors import CommError, ConfigError, DdpkitError
 from ddpkit.runtime import distributed, init, shutdown
 from ddpkit.spawn import SpawnError, spawn
@@ -11,6 +12,7 @@ from ddpkit.topology import Topology
 from ddpkit.world import World
 
 __all__ = [
+    "Checkpointer",
     "CommError",
     "ConfigError",
     "DdpkitError",

@@ -1,0 +1,649 @@
+"""Checkpoints that survive crashes: rank 0 writes atomically, every rank loads safely.
+
+Seeds 001/003 save on rank 0, barrier, and load with ``map_location``. This module makes
+that protocol trustworthy:
+
+* **Atomic, durable writes.** Rank 0 streams ``torch.save`` into a hidden temporary file
+  in the checkpoint directory (same filesystem, so the rename is atomic), hashing the
+  bytes as they go; flush + fsync; rename; then writes a small JSON manifest next to it
+  the same way and fsyncs the directory. The manifest is the commit point: a payload
+  without a manifest is an interrupted write and is never chosen.
+* **Verified loads.** The manifest holds the payload's size and sha256. ``latest()``
+  walks back from the newest checkpoint and skips (with a warning) any that is missing,
+  truncated or corrupt, so a crash during a write costs one checkpoint, never the run.
+* **Every rank agrees.** ``save`` and ``load_latest`` are collective when a process group
+  exists: rank 0 decides, broadcasts the outcome, and every rank either succeeds or
+  raises the same error (no rank left waiting in a barrier for a writer that failed).
+* **No code from files.** Loads use ``weights_only=True``; everything stored is tensors,
+  numbers, strings, lists and dicts (numpy/python RNG states are converted).
+
+``collect_state`` / ``restore_state`` build and apply the training state: the unwrapped
+model, optimizer, LR scheduler, sampler position, per-rank RNG streams, step/epoch,
+world size and a config fingerprint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ddpkit.errors import DdpkitError
+from ddpkit.log import get_logger
+
+log = get_logger(__name__)
+
+FORMAT = "ddpkit-checkpoint/1"
+_NAME = re.compile(r"^step_(\d{9})\.pt$")
+_TMP_MARK = ".tmp-"
+
+
+class CheckpointError(DdpkitError, RuntimeError):
+    """A checkpoint cannot be written, found, verified or applied to this model/run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """What a manifest says about one committed checkpoint."""
+
+    path: Path
+    step: int
+    size: int
+    sha256: str
+    world_size: int | None = None
+    reason: str = "periodic"
+    saved_at: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+# --------------------------------------------------------------------- helpers
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _initialized() else 1
+
+
+def local_device() -> torch.device:
+    """The device this process drives: where checkpoint tensors should land on load."""
+    from ddpkit.runtime import current_world
+
+    world = current_world()
+    if world is not None:
+        return torch.device(world.device)
+    if torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        return torch.device(acc.type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
+
+
+def _fsync_dir(path: Path) -> None:
+    # A rename is only durable once the directory entry itself reaches the disk.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes what passes through, so the checksum costs
+    no second read and the payload is never held in memory twice."""
+
+    def __init__(self, f):
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        self.sha.update(view)
+        self._f.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _agree(ok: bool, message: str) -> None:
+    """Collective: every rank raises if any rank failed, with the first failure's text."""
+    if not _initialized():
+        if not ok:
+            raise CheckpointError(message)
+        return
+    outcomes: list[Any] = [None] * _world_size()
+    dist.all_gather_object(outcomes, (ok, message))
+    for rank, (rank_ok, rank_message) in enumerate(outcomes):
+        if not rank_ok:
+            suffix = "" if rank == _rank() else f" (reported by rank {rank})"
+            raise CheckpointError(rank_message + suffix)
+
+
+def _from_rank0(value: Any) -> Any:
+    if not _initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _sha256_file(path: Path, chunk: int = 8 << 20) -> tuple[str, int]:
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            sha.update(block)
+            size += len(block)
+    return sha.hexdigest(), size
+
+
+# --------------------------------------------------------------------- Checkpointer
+class Checkpointer:
+    """``Checkpointer(dir, keep=3)``: atomic rank-0 saves, verified loads, rotation.
+
+    Construct it on every rank (it is collective when a process group exists): rank 0
+    creates the directory and proves it can write there, so an unwritable directory is
+    a clear error before training starts rather than after the first hour. The
+    directory must be shared by all ranks (every rank reads the file rank 0 wrote).
+    ``keep``: how many committed checkpoints to retain (``None``: all). Only one job
+    may write to a directory at a time.
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int | None = 3):
+        if keep is not None and keep < 1:
+            raise CheckpointError(f"keep must be >= 1 (or None for all), got {keep}")
+        self.dir = Path(directory)
+        self.keep = keep
+        ok, message = True, ""
+        if _rank() == 0:
+            try:
+                self._check_writable()
+            except CheckpointError as err:
+                ok, message = False, str(err)
+        _agree(ok, message)
+
+    def _check_writable(self) -> None:
+        if self.dir.exists() and not self.dir.is_dir():
+            raise CheckpointError(
+                f"checkpoint directory {self.dir} exists and is not a directory; pick another path"
+            )
+        probe = self.dir / f".write-probe{_TMP_MARK}{os.getpid()}"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+            probe.unlink()
+        except OSError as err:
+            raise CheckpointError(
+                f"checkpoint directory {self.dir} is not writable ({err.strerror or err}); "
+                "fix its permissions or choose another directory"
+            ) from None
+
+    # ---------------------------------------------------------------- naming
+    def path_for(self, step: int) -> Path:
+        return self.dir / f"step_{step:09d}.pt"
+
+    @staticmethod
+    def _manifest_of(payload: Path) -> Path:
+        return payload.with_suffix(".json")
+
+    # ---------------------------------------------------------------- saving
+    def save(self, state: Mapping[str, Any], step: int, *, reason: str = "periodic") -> Path:
+        """Write ``state`` as the checkpoint for ``step`` (collective; rank 0 writes).
+
+        Returns the payload's path on every rank once it is committed. ``reason`` is
+        recorded in the manifest (``periodic``, ``preempted``, ``final``...), so a
+        launcher can tell a preemption checkpoint from a regular one.
+        """
+        if step < 0:
+            raise CheckpointError(f"step must be >= 0, got {step}")
+        path = self.path_for(step)
+        ok, message = True, ""
+        if _rank() == 0:
+            try:
+                self._write(state, step, reason)
+                self._rotate(keep_newest=path)
+            except Exception as err:  # any failure must reach the other ranks, not hang them
+                ok = False
+                message = f"could not write checkpoint {path}: {type(err).__name__}: {err}"
+        # Doubles as the seeds' barrier: no rank goes on (or loads) before the commit.
+        _agree(ok, message)
+        return path
+
+    def _write(self, state: Mapping[str, Any], step: int, reason: str) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._remove_temporaries()
+        path = self.path_for(step)
+        manifest_path = self._manifest_of(path)
+        tmp = self.dir / f".{path.name}{_TMP_MARK}{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                writer = _HashingWriter(f)
+                torch.save(dict(state), writer)
+                f.flush()
+                os.fsync(f.fileno())
+            if manifest_path.exists():
+                # Re-saving a step: uncommit the old pair first so the new payload is
+                # never paired with the old manifest.
+                manifest_path.unlink()
+            os.replace(tmp, path)
+            manifest = {
+                "format": FORMAT,
+                "file": path.name,
+                "step": int(step),
+                "bytes": writer.size,
+                "sha256": writer.sha.hexdigest(),
+                "world_size": _world_size(),
+                "reason": reason,
+                "saved_at": time.time(),
+            }
+            self._write_small(manifest_path, json.dumps(manifest, indent=1).encode())
+            _fsync_dir(self.dir)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        log.info(f"saved checkpoint {path} ({writer.size / 2**20:.1f} MiB, {reason})")
+
+    def _write_small(self, path: Path, data: bytes) -> None:
+        tmp = self.dir / f".{path.name}{_TMP_MARK}{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _remove_temporaries(self) -> None:
+        # Leftovers of a writer that died; only rank 0 of one job writes here.
+        for entry in self.dir.iterdir():
+            if entry.name.startswith(".") and _TMP_MARK in entry.name:
+                entry.unlink(missing_ok=True)
+
+    def _rotate(self, keep_newest: Path) -> None:
+        """Drop all but the newest ``keep`` committed checkpoints, and payloads that were
+        never committed and are older than the one just written (crash leftovers). The
+        checkpoint just committed is always kept, so the only good one is never deleted."""
+        committed = self.checkpoints()
+        doomed = [] if self.keep is None else committed[: max(len(committed) - self.keep, 0)]
+        for info in doomed:
+            if info.path == keep_newest:
+                continue
+            self._manifest_of(info.path).unlink(missing_ok=True)  # uncommit first
+            info.path.unlink(missing_ok=True)
+        newest_step = int(_NAME.match(keep_newest.name).group(1))
+        for payload in self._payloads():
+            step = int(_NAME.match(payload.name).group(1))
+            if step < newest_step and not self._manifest_of(payload).exists():
+                payload.unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------- listing
+    def _payloads(self) -> list[Path]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.iterdir() if _NAME.match(p.name))
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Committed checkpoints (a readable manifest exists), oldest first. Not verified."""
+        found = []
+        for payload in self._payloads():
+            info = self._read_manifest(payload)
+            if info is not None:
+                found.append(info)
+        return found
+
+    def _read_manifest(self, payload: Path) -> CheckpointInfo | None:
+        try:
+            meta = json.loads(self._manifest_of(payload).read_text())
+            return CheckpointInfo(
+                path=payload,
+                step=int(meta["step"]),
+                size=int(meta["bytes"]),
+                sha256=str(meta["sha256"]),
+                world_size=meta.get("world_size"),
+                reason=str(meta.get("reason", "periodic")),
+                saved_at=float(meta.get("saved_at", 0.0)),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def verify(self, info: CheckpointInfo) -> str | None:
+        """Why ``info``'s payload cannot be trusted, or None if it matches its manifest."""
+        try:
+            actual_size = info.path.stat().st_size
+        except OSError:
+            return "payload file is missing"
+        if actual_size != info.size:
+            return f"truncated or overwritten: {actual_size} bytes, manifest says {info.size}"
+        digest, _ = _sha256_file(info.path)
+        if digest != info.sha256:
+            return "sha256 mismatch: the file is corrupt"
+        return None
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest checkpoint that verifies, warning about each newer one skipped.
+
+        Local (not collective): call it on one rank, or use :meth:`load_latest`.
+        """
+        committed = {info.path: info for info in self.checkpoints()}
+        skipped: list[str] = []
+        for payload in reversed(self._payloads()):
+            info = committed.get(payload)
+            problem = "no manifest (the writer stopped before committing it)"
+            if info is not None:
+                problem = self.verify(info)
+                if problem is None:
+                    for line in skipped:
+                        log.warning(f"{line}; falling back to {info.name}")
+                    return info
+            skipped.append(f"skipping checkpoint {payload}: {problem}")
+        for line in skipped:
+            log.warning(f"{line}; no older checkpoint to fall back to")
+        return None
+
+    # ---------------------------------------------------------------- loading
+    def load(self, path: str | os.PathLike, map_location: Any = None) -> dict[str, Any]:
+        """Load one checkpoint file with ``weights_only=True`` onto the local device."""
+        path = Path(path)
+        if map_location is None:
+            map_location = local_device()
+        try:
+            state = torch.load(path, map_location=map_location, weights_only=True)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"checkpoint {path} not found on rank {_rank()}; the checkpoint directory "
+                "must be on a filesystem every rank can read"
+            ) from None
+        except Exception as err:  # torch raises many types for bad archives
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CheckpointError(f"cannot load checkpoint {path}: {first}") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict")
+        return state
+
+    def load_latest(self, map_location: Any = None) -> dict[str, Any] | None:
+        """Collective resume: rank 0 picks the newest good checkpoint, every rank loads it.
+
+        Returns the state dict, or None on every rank when there is nothing to resume.
+        """
+        chosen = None
+        if _rank() == 0:
+            info = self.latest()
+            chosen = None if info is None else str(info.path)
+        chosen = _from_rank0(chosen)
+        if chosen is None:
+            return None
+        state, ok, message = None, True, ""
+        try:
+            state = self.load(chosen, map_location)
+        except CheckpointError as err:
+            ok, message = False, str(err)
+        _agree(ok, message)
+        log.info(f"resuming from {chosen} (step {state.get('step')})")
+        return state
+
+
+# --------------------------------------------------------------------- model state
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's module inside torch DDP, ddpkit.DataParallel or similar wrappers."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def strip_module_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop the ``module.`` prefix a wrapped model's state_dict carries (seed 001 saves
+    ``ddp_model.state_dict()``), so files from wrapped and plain models are the same."""
+    keys = list(state)
+    prefix = "module."
+    while keys and all(k.startswith(prefix) for k in keys):
+        state = {k[len(prefix):]: v for k, v in state.items()}
+        keys = list(state)
+    return dict(state)
+
+
+def _preview(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_model_state(
+    model: torch.nn.Module, state: Mapping[str, Any], source: str = "checkpoint"
+) -> None:
+    """Raise one CheckpointError listing missing, unexpected and mis-shaped keys."""
+    expected = unwrap(model).state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and torch.is_tensor(v) and torch.is_tensor(state[k])
+        and state[k].shape != v.shape
+    ]
+    parts = []
+    if missing:
+        parts.append(f"missing keys [{_preview(missing)}]")
+    if unexpected:
+        parts.append(f"unexpected keys [{_preview(unexpected)}]")
+    if shapes:
+        parts.append(f"shape mismatch [{_preview(shapes)}]")
+    if parts:
+        raise CheckpointError(
+            f"{source} does not match this model ({type(unwrap(model)).__name__}): "
+            + "; ".join(parts)
+            + ". Was it written by another model or config?"
+        )
+
+
+def load_model_state(
+    model: torch.nn.Module, state: Mapping[str, Any], source: str = "checkpoint"
+) -> None:
+    """Load a (possibly ``module.``-prefixed) state dict into the unwrapped model, or
+    raise one error listing every key that differs."""
+    state = strip_module_prefix(state)
+    check_model_state(model, state, source)
+    unwrap(model).load_state_dict(state)
+
+
+# --------------------------------------------------------------------- RNG
+def rng_state() -> dict[str, Any]:
+    """This process's torch/numpy/python RNG states in weights_only-loadable types."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    version, internal, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    npst = state["numpy"]
+    keys = npst["keys"].cpu().numpy().astype(np.uint32)
+    np.random.set_state(
+        (npst["kind"], keys, npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
+    )
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def gather_rng_states() -> list[dict[str, Any]] | None:
+    """Collective: every rank's RNG state, by rank, on rank 0 (None elsewhere).
+
+    Ranks draw different random numbers (dropout masks, augmentation), so a resume that
+    restored one stream everywhere would not continue the same run.
+    """
+    mine = rng_state()
+    if not _initialized():
+        return [mine]
+    gathered: list[Any] | None = [None] * _world_size() if _rank() == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    return gathered
+
+
+# --------------------------------------------------------------------- config
+def _config_json(config: Any) -> str:
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    return json.dumps(config, sort_keys=True, default=str)
+
+
+def config_fingerprint(config: Any) -> str:
+    """A short stable hash of a config (dataclass or JSON-able mapping)."""
+    return hashlib.sha256(_config_json(config).encode()).hexdigest()[:16]
+
+
+def _config_diff(saved_json: str, current_json: str) -> str:
+    saved, current = json.loads(saved_json), json.loads(current_json)
+    if not (isinstance(saved, dict) and isinstance(current, dict)):
+        return "config differs"
+    flat_saved, flat_current = _flatten(saved), _flatten(current)
+    changed = [
+        f"{k}: {flat_saved.get(k, '<unset>')!r} -> {flat_current.get(k, '<unset>')!r}"
+        for k in sorted(set(flat_saved) | set(flat_current))
+        if flat_saved.get(k, "<unset>") != flat_current.get(k, "<unset>")
+    ]
+    return _preview(changed)
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# --------------------------------------------------------------------- training state
+def collect_state(
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    sampler: Any = None,
+    step: int = 0,
+    epoch: int = 0,
+    config: Any = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Collective: the training state to pass to :meth:`Checkpointer.save`.
+
+    Call on every rank (it gathers each rank's RNG state to rank 0). ``sampler`` and
+    ``scheduler`` are anything with ``state_dict()``. ``extra`` must hold only tensors,
+    numbers, strings, lists and dicts (it is loaded with ``weights_only=True``).
+    """
+    state: dict[str, Any] = {
+        "format": FORMAT,
+        "step": int(step),
+        "epoch": int(epoch),
+        "world_size": _world_size(),
+        "rng": gather_rng_states(),
+    }
+    if model is not None:
+        state["model"] = strip_module_prefix(unwrap(model).state_dict())
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    if sampler is not None:
+        state["sampler"] = sampler.state_dict()
+    if config is not None:
+        state["config"] = _config_json(config)
+        state["fingerprint"] = config_fingerprint(config)
+    if extra:
+        state["extra"] = dict(extra)
+    return state
+
+
+def restore_state(
+    state: Mapping[str, Any],
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    sampler: Any = None,
+    config: Any = None,
+    rng: bool = True,
+    source: str = "checkpoint",
+) -> dict[str, Any]:
+    """Apply a state from :func:`collect_state`; every rank calls it with the same state.
+
+    Raises :class:`CheckpointError` naming the differing keys when the model does not
+    match, or the differing fields when ``config`` is given and its fingerprint differs.
+    RNG streams are restored per rank when the world size is unchanged; otherwise they
+    are left alone (with a warning) since the ranks they belonged to no longer exist.
+    Returns ``{"step", "epoch", "world_size", "rng_restored"}``.
+    """
+    fingerprint = state.get("fingerprint")
+    if config is not None and fingerprint and fingerprint != config_fingerprint(config):
+        raise CheckpointError(
+            f"{source} was written with a different config "
+            f"({_config_diff(state['config'], _config_json(config))}); "
+            "resume with the same config or start a fresh checkpoint directory"
+        )
+    for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
+                      ("sampler", sampler)):
+        if obj is not None and name not in state:
+            raise CheckpointError(f"{source} has no {name} state; it was saved without one")
+    if model is not None:
+        load_model_state(model, state["model"], source)
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as err:
+            raise CheckpointError(
+                f"{source}: optimizer state does not fit this optimizer: {err}"
+            ) from None
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if sampler is not None:
+        sampler.load_state_dict(state["sampler"])
+    saved_world = int(state.get("world_size", 1))
+    rng_restored = False
+    per_rank = state.get("rng")
+    if rng and per_rank:
+        if saved_world == _world_size() and len(per_rank) == saved_world:
+            set_rng_state(per_rank[_rank()])
+            rng_restored = True
+        else:
+            log.warning(
+                f"{source} was written by {saved_world} ranks, this run has {_world_size()}: "
+                "random streams start fresh (data order and model state are restored)"
+            )
+    return {
+        "step": int(state.get("step", 0)),
+        "epoch": int(state.get("epoch", 0)),
+        "world_size": saved_world,
+        "rng_restored": rng_restored,
+    }

@@ -1,0 +1,19 @@
+"""Fault tolerance pieces the trainer composes: hang detection and preemption.
+
+Checkpointing lives in :mod:`ddpkit.checkpoint`; restarts after a dead worker come
+from torchrun's elastic agent (``ddpkit launch --max-restarts``).
+"""
+
+from ddpkit.fault.hang import EXIT_HANG, HangError, ProgressBoard, RankProgress, Watchdog
+from ddpkit.fault.preemption import DEFAULT_SIGNALS, EXIT_PREEMPTED, PreemptionGuard
+
+__all__ = [
+    "DEFAULT_SIGNALS",
+    "EXIT_HANG",
+    "EXIT_PREEMPTED",
+    "HangError",
+    "PreemptionGuard",
+    "ProgressBoard",
+    "RankProgress",
+    "Watchdog",
+]

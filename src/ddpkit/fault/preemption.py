@@ -1,0 +1,112 @@
+"""Preemption: a signal becomes an orderly, agreed stop at a step boundary.
+
+Schedulers announce the end of an allocation with a signal (SLURM: SIGTERM, or SIGUSR1
+ahead of time with ``--signal=USR1@120``; torchrun forwards SIGTERM to its workers),
+and often to only some of the processes. A handler that stopped just its own rank
+would leave the others waiting in the next collective. Here the handler only sets a
+flag; at each step boundary :meth:`PreemptionGuard.should_stop` all-reduces the flag
+(MAX), so every rank sees the same answer at the same step, writes the checkpoint and
+exits together.
+
+Exit codes: a worker that stopped for preemption should *return normally* (exit 0):
+under torchrun's elastic agent a non-zero exit counts as a failure and triggers a
+restart on an allocation that is going away. The launching command reports the
+preemption instead, with :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``: "try again
+later"), which a batch script can turn into ``scontrol requeue``. The checkpoint's
+manifest says ``reason: preempted``, which is how that command finds out.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.log import get_logger
+
+log = get_logger(__name__)
+
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL
+DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class PreemptionGuard:
+    """``with PreemptionGuard() as guard:`` ... ``if guard.should_stop(): save; break``.
+
+    Installs handlers for ``signals`` on entry (main thread only; Python delivers
+    signals there) and restores the previous handlers on exit. ``should_stop()`` is a
+    collective: call it on every rank at the same points. A second signal while a stop
+    is pending is only logged: the checkpoint in progress is worth finishing.
+    """
+
+    def __init__(
+        self,
+        signals: tuple[int, ...] = DEFAULT_SIGNALS,
+        *,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+    ):
+        self.signals = tuple(signals)
+        self.group = group
+        self._device = device
+        self._received: int | None = None
+        self._previous: dict[int, object] = {}
+        self.stopped_by: int | None = None  # rank-agreed result of the last should_stop
+
+    # ---------------------------------------------------------------- handlers
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._received is None:
+            self._received = signum
+        # Logging from a signal handler can deadlock on the handler's lock; keep it to
+        # a flag and report at the next step boundary.
+
+    def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("PreemptionGuard must be entered in the main thread")
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def requested(self) -> bool:
+        """Whether *this* rank received a signal (local, no communication)."""
+        return self._received is not None
+
+    def request(self, signum: int = signal.SIGTERM) -> None:
+        """Ask for a stop as if ``signum`` arrived (for tests and manual stops)."""
+        self._handle(signum, None)
+
+    def _flag_device(self) -> torch.device:
+        if self._device is not None:
+            return torch.device(self._device)
+        from ddpkit.checkpoint import local_device
+
+        return local_device()
+
+    def should_stop(self) -> bool:
+        """Collective: True on every rank if any rank received a stop signal."""
+        local = 0 if self._received is None else int(self._received)
+        if not (dist.is_available() and dist.is_initialized()):
+            agreed = local
+        else:
+            # MAX of the signal numbers: any rank's signal stops all, and the value says which.
+            flag = torch.tensor([local], dtype=torch.int32, device=self._flag_device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            agreed = int(flag.item())
+        if agreed and self.stopped_by is None:
+            self.stopped_by = agreed
+            who = "this rank" if local else "another rank"
+            log.warning(
+                f"preemption: {signal.Signals(agreed).name} received by {who}; "
+                "stopping at this step boundary",
+            )
+        return bool(agreed)
