@@ -1,0 +1,185 @@
+"""Two real hosts on one machine: network namespaces joined by a veth pair.
+
+Each namespace has its own interfaces, routes and ports, so a node inside one reaches the
+other only over the veth pair, exactly as two machines on a wire. One `ddpkit launch`
+node runs in each over torchrun's real c10d rendezvous; the trained parameters must
+equal those of a one-node, two-process run bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from ddpkit.launch import route_to
+
+EXAMPLE = Path(ROOT) / "examples" / "40_mpi_train.py"
+DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
+NODE_TIMEOUT_S = 120
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The caller's environment minus anything that would pick ranks or interfaces for us."""
+    drop = ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+            "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items()
+           if k not in drop and not k.startswith(("SLURM_", "OMPI_", "PMI_"))}
+    # One intra-op thread everywhere: torchrun sets it only for >1 process per node, and a
+    # different thread count changes float summation order, so results differ in the last bit.
+    return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
+
+
+def reference_params(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """Final parameters of a 1-node, 2-process run of the example (computed once a session)."""
+    path = tmp_path_factory.getbasetemp() / "multinode_reference.pt"
+    if not path.exists():
+        proc = subprocess.run([*DDPKIT, "launch", "--nproc-per-node", "2", str(EXAMPLE),
+                               "--out", str(path)], cwd=ROOT, env=clean_env(),
+                              capture_output=True, text=True, timeout=NODE_TIMEOUT_S)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return torch.load(path)
+
+
+def assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), f"{name} differs: max |diff| " \
+            f"{(got[name] - want[name]).abs().max().item():.3e}"
+
+
+def world_lines(output: str) -> list[dict]:
+    return [json.loads(line.split("WORLD ", 1)[1]) for line in output.splitlines()
+            if "WORLD {" in line]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a node we started (its own process group: the agent and its workers)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# ----------------------------------------------------------------- two hosts fixture
+@dataclass(frozen=True)
+class Host:
+    netns: str
+    ifname: str
+    addr: str
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+def _free_subnet() -> str:
+    """A 10.a.b.0/30 no route of this machine mentions (the pair lives in its own
+    namespaces, so this is only belt and braces against confusing a reader of `ip`)."""
+    used = _ip("-4", "route", "show", "table", "all").stdout
+    for _ in range(100):
+        prefix = f"10.{random.randint(200, 254)}.{random.randint(0, 255)}"
+        if prefix + "." not in used:
+            return prefix
+    raise RuntimeError("no free 10.x.y.0/30 subnet found")
+
+
+@pytest.fixture
+def two_hosts(request) -> tuple[Host, Host]:
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (run the suite as root to test two hosts)")
+    if shutil.which("ip") is None:
+        pytest.skip("`ip` (iproute2) is not installed; apt-get install iproute2")
+    token = secrets.token_hex(3)  # unique per run: parallel runs never share names
+    prefix = _free_subnet()
+    hosts = (Host(f"ddpk-a-{token}", f"dka{token}", f"{prefix}.1"),
+             Host(f"ddpk-b-{token}", f"dkb{token}", f"{prefix}.2"))
+
+    def cleanup() -> None:
+        for host in hosts:  # deleting a namespace also deletes the veth end inside it
+            _ip("netns", "del", host.netns)
+        _ip("link", "del", hosts[0].ifname)  # only if it never moved into its namespace
+
+    request.addfinalizer(cleanup)
+    first = _ip("netns", "add", hosts[0].netns)
+    if first.returncode:
+        pytest.skip(f"cannot create a network namespace: {first.stderr.strip()}")
+    steps = [("netns", "add", hosts[1].netns),
+             ("link", "add", hosts[0].ifname, "type", "veth", "peer", "name", hosts[1].ifname)]
+    for host in hosts:
+        steps += [("link", "set", host.ifname, "netns", host.netns),
+                  ("-n", host.netns, "addr", "add", f"{host.addr}/30", "dev", host.ifname),
+                  ("-n", host.netns, "link", "set", host.ifname, "up"),
+                  ("-n", host.netns, "link", "set", "lo", "up")]  # agents talk to workers on lo
+    for step in steps:
+        done = _ip(*step)
+        if done.returncode:
+            command = "ip " + " ".join(step)
+            pytest.skip(f"cannot build the veth pair (`{command}`): {done.stderr.strip()}")
+    return hosts
+
+
+def start_node(host: Host, endpoint: str, run_id: str, out: Path, log: Path) -> subprocess.Popen:
+    cmd = ["ip", "netns", "exec", host.netns, *DDPKIT, "launch", "--nnodes", "2",
+           "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+           str(EXAMPLE), "--out", str(out)]
+    with log.open("w") as sink:
+        return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=sink,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+# ---------------------------------------------------------------------------- tests
+@pytest.mark.netns
+def test_two_hosts_over_veth_equal_one_host(two_hosts, tmp_path, tmp_path_factory):
+    want = reference_params(tmp_path_factory)
+    host_a, host_b = two_hosts
+    # A fresh namespace has no other listener: a fixed port inside it cannot collide.
+    endpoint = f"{host_a.addr}:29400"
+    run_id = host_a.netns  # one job id shared by both nodes
+    nodes, timed_out = [], False
+    try:
+        for host in two_hosts:
+            nodes.append(start_node(host, endpoint, run_id, tmp_path / f"{host.netns}.pt",
+                                    tmp_path / f"{host.netns}.log"))
+        for node in nodes:
+            node.wait(NODE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        for node in nodes:
+            stop(node)
+    logs = [(tmp_path / f"{host.netns}.log").read_text() for host in two_hosts]
+    assert not timed_out, f"nodes still running after {NODE_TIMEOUT_S} s:\n" + \
+        "\n---\n".join(log[-2000:] for log in logs)
+    for node, log in zip(nodes, logs):
+        assert node.returncode == 0, log[-4000:]
+    # The launcher chose each namespace's veth for gloo (no GLOO_SOCKET_IFNAME given).
+    for host, log in zip(two_hosts, logs):
+        assert f"GLOO_SOCKET_IFNAME={host.ifname} " in log, log[-2000:]
+    worlds = [world_lines(log) for log in logs]
+    # c10d orders nodes by their address: A (.1, also the store host) is node 0.
+    assert worlds == [
+        [dict(rank=r, local_rank=0, world_size=2, local_world_size=1, node_rank=r, nnodes=2,
+              source="torchrun")] for r in (0, 1)]
+    assert not (tmp_path / f"{host_b.netns}.pt").exists()  # only global rank 0 writes
+    assert_bitwise_equal(torch.load(tmp_path / f"{host_a.netns}.pt"), want)
+
+
+def test_route_to_own_address_names_its_interface():
+    if shutil.which("ip") is None:
+        pytest.skip("`ip` (iproute2) is not installed")
+    assert route_to("127.0.0.1") == ("127.0.0.1", "lo")
