@@ -1,0 +1,115 @@
+"""Barriers over a shared control block: one counter per rank, no atomics, no locks.
+
+Each rank owns one 128-byte line of the block (two cache lines, so the adjacent-line
+prefetcher does not make neighbours share) and is the only writer of it. A barrier is
+"bump my counter to g, wait until every peer's counter is >= g": counters only grow,
+so consecutive barriers cannot be confused and no sense reversal is needed.
+
+Why plain stores suffice: on x86-64 (TSO) stores become visible in program order and
+loads are not reordered with older loads, so a peer that sees my counter at g also
+sees every byte I wrote before bumping it. Weaker memory models (ARM, POWER) would need
+fences that Python cannot issue, so :func:`memory_model_ok` keeps shm off there.
+
+Waiting spins briefly (a barrier between ranks that arrive together costs
+microseconds), then yields the core, then sleeps with growing pauses: on a machine with
+more ranks than cores, a spinning rank would otherwise steal the time its late peer
+needs to arrive. A dead peer is noticed by its pid, a stuck one by the timeout.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+
+import numpy as np
+
+from ddpkit.comm.shm_segment import pid_alive
+from ddpkit.errors import CommError
+
+LINE_WORDS = 16  # int64 words per rank line (128 bytes)
+SEQ, PID = 0, 1
+META = 2  # first of the words a rank publishes to check that peers called alike
+META_WORDS = LINE_WORDS - META
+
+SPIN_S = 50e-6  # pure spinning: about the cost of two context switches
+YIELD_S = 2e-3  # then sched_yield for a while
+MAX_SLEEP_S = 1e-3  # then sleeps doubling up to this
+LIVENESS_EVERY_S = 0.2
+
+
+def memory_model_ok() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
+def block_bytes(nranks: int) -> int:
+    return nranks * LINE_WORDS * 8
+
+
+class Control:
+    """This rank's handle on the control block of ``nranks`` local ranks."""
+
+    def __init__(self, buffer, nranks: int, me: int, timeout: float, labels: list[str]):
+        self.words = np.frombuffer(buffer, dtype=np.int64, count=nranks * LINE_WORDS)
+        self.nranks = nranks
+        self.me = me
+        self.timeout = timeout
+        self.labels = labels  # how errors name each local rank, e.g. "rank 3"
+        self.gen = int(self.words[me * LINE_WORDS + SEQ])
+        self.peers = [r for r in range(nranks) if r != me]
+        self.check_pids = True
+
+    def publish_pid(self, pid: int) -> None:
+        self.words[self.me * LINE_WORDS + PID] = pid
+
+    def pid(self, rank: int) -> int:
+        return int(self.words[rank * LINE_WORDS + PID])
+
+    def publish_meta(self, values: tuple[int, ...]) -> None:
+        base = self.me * LINE_WORDS + META
+        self.words[base:base + len(values)] = values
+
+    def meta(self, rank: int, count: int) -> tuple[int, ...]:
+        base = rank * LINE_WORDS + META
+        return tuple(int(v) for v in self.words[base:base + count])
+
+    def barrier(self) -> None:
+        self.gen += 1
+        gen = self.gen
+        words = self.words
+        words[self.me * LINE_WORDS + SEQ] = gen
+        for peer in self.peers:
+            if words[peer * LINE_WORDS + SEQ] < gen:
+                self._wait(peer, gen)
+
+    def _wait(self, peer: int, gen: int) -> None:
+        words, index = self.words, peer * LINE_WORDS + SEQ
+        start = time.perf_counter()
+        while time.perf_counter() - start < SPIN_S:
+            if words[index] >= gen:
+                return
+        while time.perf_counter() - start < YIELD_S:
+            time.sleep(0)
+            if words[index] >= gen:
+                return
+        pause, next_check = 20e-6, start + LIVENESS_EVERY_S
+        while words[index] < gen:
+            time.sleep(pause)
+            pause = min(pause * 2, MAX_SLEEP_S)
+            now = time.perf_counter()
+            if now >= next_check:
+                next_check = now + LIVENESS_EVERY_S
+                self._check_peer(peer, now - start)
+
+    def _check_peer(self, peer: int, waited: float) -> None:
+        pid = self.pid(peer)
+        if self.check_pids and pid and not pid_alive(pid):
+            raise CommError(
+                f"{self.labels[peer]} (pid {pid}) exited during a shared-memory collective; "
+                "restart the job (an elastic launcher does this for you)"
+            )
+        if waited > self.timeout:
+            raise CommError(
+                f"{self.labels[peer]} did not reach a shared-memory collective within "
+                f"{self.timeout:.0f} s; every rank of the group must call the same "
+                "collectives in the same order"
+            )
