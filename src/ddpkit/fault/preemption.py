@@ -25,6 +25,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
 
 log = get_logger(__name__)
@@ -48,8 +49,12 @@ class PreemptionGuard:
         *,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
+        check_every: int = 1,
     ):
+        if check_every < 1:
+            raise ConfigError(f"check_every must be >= 1, got {check_every}")
         self.signals = tuple(signals)
+        self.check_every = check_every
         self.group = group
         self._device = device
         self._received: int | None = None
@@ -92,8 +97,16 @@ class PreemptionGuard:
 
         return local_device()
 
-    def should_stop(self) -> bool:
-        """Collective: True on every rank if any rank received a stop signal."""
+    def should_stop(self, step: int | None = None) -> bool:
+        """Collective: True on every rank if any rank received a stop signal.
+
+        With ``check_every=N`` and a ``step``, only steps divisible by N communicate (a
+        tiny all-reduce costs a network round trip; on slow links, check less often).
+        """
+        if self.stopped_by is not None:
+            return True
+        if step is not None and step % self.check_every:
+            return False
         local = 0 if self._received is None else int(self._received)
         if not (dist.is_available() and dist.is_initialized()):
             agreed = local

@@ -1,0 +1,333 @@
+"""Checkpointer: atomic save, verified load with fallback, rotation, state round trips."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import ddpkit
+from ddpkit.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    collect_state,
+    config_fingerprint,
+    load_model_state,
+    restore_state,
+)
+
+
+class Net(torch.nn.Module):
+    def __init__(self, hidden: int = 6, extra: bool = False):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(4, hidden)
+        self.fc2 = torch.nn.Linear(hidden, 3)
+        self.norm = torch.nn.BatchNorm1d(3)  # a buffer (running stats) must round-trip too
+        if extra:
+            self.head = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.norm(self.fc2(torch.relu(self.fc1(x))))
+
+
+class Wrapper(torch.nn.Module):
+    """Stands in for ddpkit.DataParallel / torch DDP: the user's model under ``.module``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+
+class Counter:
+    """Any object with state_dict/load_state_dict works as the sampler."""
+
+    def __init__(self, position=0):
+        self.position = position
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+@pytest.fixture
+def warnings_seen():
+    """Lines ddpkit logs at WARNING or above (its logger does not propagate to root)."""
+    lines: list[str] = []
+
+    class ListHandler(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    handler = ListHandler(logging.WARNING)
+    root = logging.getLogger("ddpkit")
+    ddpkit.log.get_logger("ddpkit")  # make sure the root handler exists first
+    root.addHandler(handler)
+    yield lines
+    root.removeHandler(handler)
+
+
+def trained(seed=0):
+    torch.manual_seed(seed)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def small_state(value: float) -> dict:
+    return {"w": torch.full((16,), value), "step": int(value)}
+
+
+# ------------------------------------------------------------------ round trip
+def test_full_state_round_trip_is_exact(tmp_path):
+    model, opt, sched = trained()
+    sampler = Counter(position=40)
+    config = {"lr": 0.01, "model": {"hidden": 6}}
+    state = collect_state(model=Wrapper(model), optimizer=opt, scheduler=sched, sampler=sampler,
+                          step=3, epoch=1, config=config)
+    # What the run draws next: a resumed run must draw exactly the same.
+    expected_draws = (torch.rand(5), np.random.rand(5), [random.random() for _ in range(5)])
+    ckpt = Checkpointer(tmp_path / "ck", keep=2)
+    path = ckpt.save(state, step=3)
+    assert path.exists() and path.with_suffix(".json").exists()
+
+    torch.manual_seed(123)
+    np.random.seed(123)
+    random.seed(123)
+    model2 = Net()
+    opt2 = torch.optim.Adam(model2.parameters(), lr=0.5)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    sampler2 = Counter()
+    loaded = ckpt.load_latest()
+    info = restore_state(loaded, model=Wrapper(model2), optimizer=opt2, scheduler=sched2,
+                         sampler=sampler2, config=config)
+    assert info == {"step": 3, "epoch": 1, "world_size": 1, "rng_restored": True}
+    for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), k
+    for key, st in opt.state_dict()["state"].items():
+        for name, value in st.items():
+            assert torch.equal(value, opt2.state_dict()["state"][key][name])
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert sched2.state_dict() == sched.state_dict()
+    assert sampler2.position == 40
+    assert torch.equal(torch.rand(5), expected_draws[0])
+    assert np.array_equal(np.random.rand(5), expected_draws[1])
+    assert [random.random() for _ in range(5)] == expected_draws[2]
+
+
+def test_payload_loads_with_plain_torch_weights_only(tmp_path):
+    model, opt, sched = trained()
+    state = collect_state(model=model, optimizer=opt, scheduler=sched, step=1,
+                          config={"a": 1})
+    path = Checkpointer(tmp_path).save(state, step=1)
+    plain = torch.load(path, weights_only=True)  # raises if anything needs unpickling code
+    assert set(plain["model"]) == set(model.state_dict())
+    assert "module." not in "".join(plain["model"])
+
+
+def test_code_in_a_checkpoint_is_refused(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save({"payload": Counter(5)}, step=1)  # pickles a class: not weights-only
+    with pytest.raises(CheckpointError, match="cannot load checkpoint .*step_000000001.pt"):
+        ckpt.load_latest()
+
+
+def test_seed_style_prefixed_state_dict_loads_into_plain_model():
+    torch.manual_seed(0)
+    source = Wrapper(Net())
+    target = Net()
+    load_model_state(target, source.state_dict())  # keys are "module.fc1.weight", ...
+    for a, b in zip(source.module.parameters(), target.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_other_model_error_lists_every_differing_key(tmp_path):
+    state = collect_state(model=Net(hidden=6), step=0)
+    other = Net(hidden=8, extra=True)
+    with pytest.raises(CheckpointError) as err:
+        restore_state(state, model=Wrapper(other))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "unexpected keys" not in message  # the checkpoint has nothing the model lacks
+    assert "missing keys [head.weight, head.bias]" in message
+    assert "fc1.weight (6, 4) vs model (8, 4)" in message
+    assert "fc2.weight (3, 6) vs model (3, 8)" in message
+    smaller = collect_state(model=Net(extra=True), step=0)
+    with pytest.raises(CheckpointError, match=r"unexpected keys \[head.weight, head.bias\]"):
+        restore_state(smaller, model=Net())
+
+
+def test_config_change_is_named(tmp_path):
+    config = {"lr": 0.1, "data": {"batch": 32}}
+    state = collect_state(step=0, config=config)
+    assert state["fingerprint"] == config_fingerprint(dict(config))
+    restore_state(state, config={"data": {"batch": 32}, "lr": 0.1})  # key order is irrelevant
+    with pytest.raises(CheckpointError, match=r"data.batch: 32 -> 64") as err:
+        restore_state(state, config={"lr": 0.1, "data": {"batch": 64}})
+    assert "lr" not in str(err.value).split("(")[1]
+
+
+# ------------------------------------------------------------------ verification and fallback
+def test_corrupt_latest_falls_back_with_warning(tmp_path, warnings_seen):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(small_state(1.0), step=1)
+    path2 = ckpt.save(small_state(2.0), step=2)
+    raw = bytearray(path2.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, one flipped byte
+    path2.write_bytes(bytes(raw))
+    assert ckpt.latest().step == 1
+    assert torch.equal(ckpt.load_latest()["w"], torch.full((16,), 1.0))
+    assert any("step_000000002.pt: sha256 mismatch" in w and "falling back to step_000000001.pt"
+               in w for w in warnings_seen), warnings_seen
+
+
+def test_truncated_and_missing_payloads_fall_back(tmp_path, warnings_seen):
+    ckpt = Checkpointer(tmp_path)
+    for step in (1, 2, 3):
+        ckpt.save(small_state(step), step=step)
+    p3, p2 = ckpt.path_for(3), ckpt.path_for(2)
+    p3.write_bytes(p3.read_bytes()[:100])
+    p2.with_suffix(".json").write_text("{not json")
+    info = ckpt.latest()
+    assert info.step == 1
+    assert any("truncated" in w for w in warnings_seen)
+    assert any("step_000000002.pt: no manifest" in w for w in warnings_seen)
+    ckpt.path_for(1).unlink()
+    assert ckpt.latest() is None
+    assert ckpt.load_latest() is None
+
+
+def test_empty_directory_has_nothing_to_resume(tmp_path):
+    assert Checkpointer(tmp_path / "new").load_latest() is None
+
+
+# ------------------------------------------------------------------ rotation
+def test_keep_k_rotation(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=2)
+    for step in range(5):
+        ckpt.save(small_state(step), step=step * 10)
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["step_000000030.json", "step_000000030.pt",
+                     "step_000000040.json", "step_000000040.pt"]
+    assert ckpt.latest().step == 40
+    keep_all = Checkpointer(tmp_path / "all", keep=None)
+    for step in range(4):
+        keep_all.save(small_state(step), step=step)
+    assert [i.step for i in keep_all.checkpoints()] == [0, 1, 2, 3]
+
+
+def test_keep_one_never_leaves_zero_and_resave_replaces(tmp_path):
+    ckpt = Checkpointer(tmp_path, keep=1)
+    ckpt.save(small_state(1.0), step=1)
+    ckpt.save(small_state(2.0), step=2)
+    assert [i.step for i in ckpt.checkpoints()] == [2]
+    ckpt.save(small_state(5.0), step=2, reason="preempted")  # same step again
+    info = ckpt.latest()
+    assert (info.step, info.reason) == (2, "preempted")
+    assert torch.equal(ckpt.load_latest()["w"], torch.full((16,), 5.0))
+    manifest = json.loads(info.path.with_suffix(".json").read_text())
+    assert manifest["format"] == "ddpkit-checkpoint/1" and manifest["bytes"] == info.size
+
+
+def test_keep_must_be_positive(tmp_path):
+    with pytest.raises(CheckpointError, match="keep must be >= 1"):
+        Checkpointer(tmp_path, keep=0)
+
+
+# ------------------------------------------------------------------ unwritable locations
+@pytest.mark.parametrize("where", ["under_a_file", "sysfs", "is_a_file"])
+def test_unwritable_directory_fails_before_training(tmp_path, where):
+    blocker = tmp_path / "file"
+    blocker.write_text("data")
+    target = {"under_a_file": blocker / "ck", "sysfs": "/sys/ddpkit-ck", "is_a_file": blocker}
+    with pytest.raises(CheckpointError, match="directory .* (not writable|is not a directory)"):
+        Checkpointer(target[where])
+    assert blocker.read_text() == "data"  # nothing overwritten
+
+
+def test_write_failure_is_a_checkpoint_error_and_keeps_the_previous(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(small_state(1.0), step=1)
+    with pytest.raises(CheckpointError, match="could not write checkpoint"):
+        ckpt.save({"fn": lambda: 0}, step=2)  # cannot be pickled
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+    assert ckpt.latest().step == 1
+
+
+# ------------------------------------------------------------------ collective (2 ranks)
+def _collective_round_trip(world, directory):
+    torch.manual_seed(100 + world.rank)  # ranks draw different streams, like dropout does
+    np.random.seed(100 + world.rank)
+    random.seed(100 + world.rank)
+    state_before = torch.get_rng_state()
+    torch.manual_seed(7)
+    model = Net()  # same parameters on every rank, as after DDP's broadcast
+    torch.set_rng_state(state_before)
+    ckpt = Checkpointer(directory, keep=2)
+    state = collect_state(model=model, step=5, epoch=0)
+    ckpt.save(state, step=5)
+    committed = ckpt.latest()  # every rank sees the commit once save returns
+    draws = [torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()]
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    fresh = Net()
+    info = restore_state(ckpt.load_latest(), model=fresh)
+    again = [torch.rand(3).tolist(), np.random.rand(3).tolist(), random.random()]
+    same_params = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    return committed.step, info, draws, again, same_params
+
+
+def test_per_rank_rng_round_trip_two_ranks(pools, tmp_path):
+    results = pools(2).run(_collective_round_trip, str(tmp_path))
+    for step, info, draws, again, same_params in results:
+        assert step == 5 and same_params
+        assert info["rng_restored"] and info["world_size"] == 2
+        assert draws == again
+    assert results[0][2] != results[1][2]  # each rank got its own stream back
+
+
+def _failing_save(world, directory):
+    ckpt = Checkpointer(directory)
+    ckpt.save(small_state(1.0), step=1)
+    try:
+        ckpt.save({"fn": (lambda: 0) if world.rank == 0 else None}, step=2)
+    except CheckpointError as err:
+        return str(err), ckpt.latest().step
+    return "no error", None
+
+
+def test_rank0_write_failure_reaches_every_rank(pools, tmp_path):
+    results = pools(2).run(_failing_save, str(tmp_path), timeout=60)
+    assert "could not write checkpoint" in results[0][0]
+    assert "reported by rank 0" in results[1][0]
+    assert [r[1] for r in results] == [1, 1]
+
+
+def test_other_world_size_keeps_data_but_not_rng(pools, tmp_path):
+    results = pools(2).run(_save_only, str(tmp_path))
+    assert results == [1, 1]
+    state = Checkpointer(tmp_path).load_latest()
+    assert len(state["rng"]) == 2
+    info = restore_state(state, model=Net())
+    assert info["world_size"] == 2 and not info["rng_restored"]
+
+
+def _save_only(world, directory):
+    torch.manual_seed(0)
+    ckpt = Checkpointer(directory)
+    ckpt.save(collect_state(model=Net(), step=1), step=1)
+    return ckpt.latest().step
+
