@@ -22,11 +22,16 @@ from ddpkit.train.config import Config
 
 def run_worker(cfg: Config) -> int:
     """Join the job's process group, train, always tear down."""
+    import torch.distributed as dist
+
     from ddpkit.runtime import distributed
     from ddpkit.train.trainer import Trainer
 
     with distributed() as world:
         Trainer(cfg, world).fit()
+        # Leave together: a rank that tears down gloo while rank 0 still writes the
+        # summary and plot can abort in gloo's destructor.
+        dist.barrier()
     return 0
 
 

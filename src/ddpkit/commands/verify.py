@@ -1,0 +1,72 @@
+"""``ddpkit verify [train options]``: do W processes take the same steps as one?
+
+Runs a few training steps on W ranks (launched like ``ddpkit train``), replays the same
+global batches in one plain process, and prints the largest parameter difference with
+PASS/FAIL against a dtype-aware tolerance. Exit code 0 on PASS, 1 on FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from ddpkit.commands.launch import add_launch_options, options_from_args
+from ddpkit.commands.train import (
+    add_train_options,
+    check_data,
+    check_world_size,
+    config_from_args,
+    quiet_omp_warning,
+)
+
+WORKER_MODULE = "ddpkit.train.verify"
+
+
+def add_verify_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("verify")
+    g.add_argument("--steps", type=int, default=10, help="training steps to compare (default: 10)")
+    g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                   help="parameter dtype; the tolerance scales with its epsilon")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("verify", help="check W processes train exactly like 1 process",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_options(p)
+    add_verify_options(p)
+    add_launch_options(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ddpkit.errors import ConfigError
+    from ddpkit.launch import launch
+    from ddpkit.train.verify import VerifyResult, run_verify_worker
+    from ddpkit.world import World
+
+    cfg = config_from_args(args)
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    if World.from_env(require_master_addr=False).source != "single":
+        return run_verify_worker(cfg, args.steps, args.dtype, None)
+    opts = options_from_args(args)
+    check_world_size(cfg, opts)
+    check_data(cfg)
+    opts.module = True
+    quiet_omp_warning(opts)
+    with tempfile.TemporaryDirectory(prefix="ddpkit-verify-") as tmp:
+        result_file = Path(tmp, "result.json")
+        code = launch(WORKER_MODULE, [
+            "--resolved-config", json.dumps(cfg.to_dict()), "--steps", str(args.steps),
+            "--dtype", args.dtype, "--result-file", str(result_file),
+        ], opts)
+        if code != 0:
+            return code
+        if not result_file.exists():  # another node's agent ran rank 0
+            print("ddpkit verify: rank 0 ran on another node; its report is there")
+            return 0
+        result = VerifyResult(**json.loads(result_file.read_text()))
+    print(result.render())
+    return 0 if result.passed else 1
