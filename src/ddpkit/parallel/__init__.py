@@ -1,0 +1,75 @@
+"""Data parallelism: ddpkit's own DDP engine, its hooks, and a one-flag switch to torch's.
+
+``data_parallel(model, engine="ddpkit" | "torch", **options)`` is what programs call, so
+the same training script runs on either engine (the benchmarks compare them that way).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch import nn
+
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.ddp import DataParallel
+from ddpkit.parallel.grad_bucket import GradBucket
+from ddpkit.parallel.join import join
+
+ENGINES = ("ddpkit", "torch")
+_OPTIONS = ("bucket_cap_mb", "broadcast_buffers", "find_unused_parameters", "comm_hook",
+            "comm_state", "group", "first_bucket_cap_mb", "initial_bucketing")
+
+
+def data_parallel(module: nn.Module, engine: str = "ddpkit", **options: Any) -> nn.Module:
+    """Wrap ``module`` for data-parallel training with the chosen engine.
+
+    Both engines expose ``.module`` and ``.no_sync()`` and work with :func:`ddpkit.join`.
+    Options: ``bucket_cap_mb``, ``broadcast_buffers``, ``find_unused_parameters``,
+    ``comm_hook``, ``comm_state``, ``group`` (and ``first_bucket_cap_mb`` for ddpkit).
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise ConfigError(
+            f"unknown data_parallel option(s) {unknown}; valid: {', '.join(_OPTIONS)}")
+    if engine == "ddpkit":
+        return DataParallel(module, **options)
+    if engine == "torch":
+        return _torch_ddp(module, **options)
+    raise ConfigError(f"unknown DDP engine {engine!r}; use one of {', '.join(ENGINES)}")
+
+
+def _torch_ddp(
+    module: nn.Module,
+    *,
+    bucket_cap_mb: float | None = None,
+    broadcast_buffers: bool = True,
+    find_unused_parameters: bool = False,
+    comm_hook=None,
+    comm_state=None,
+    group=None,
+    first_bucket_cap_mb: float | None = None,
+    initial_bucketing: str | None = None,
+) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if first_bucket_cap_mb is not None or initial_bucketing is not None:
+        raise ConfigError("first_bucket_cap_mb and initial_bucketing are ddpkit engine options; "
+                          "torch's DDP lays out its buckets itself")
+    # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (the old name warns).
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    buffers_option = ("forward_sync_buffers" if "forward_sync_buffers" in params
+                      else "broadcast_buffers")
+    model = DistributedDataParallel(
+        module,
+        bucket_cap_mb=bucket_cap_mb,
+        find_unused_parameters=find_unused_parameters,
+        process_group=group,
+        **{buffers_option: broadcast_buffers},
+    )
+    if comm_hook is not None:
+        model.register_comm_hook(comm_state, comm_hook)
+    return model
+
+
+__all__ = ["DataParallel", "GradBucket", "data_parallel", "join"]

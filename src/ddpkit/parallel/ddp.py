@@ -1,0 +1,207 @@
+"""DataParallel: ddpkit's own distributed data-parallel engine.
+
+Contract with the user, the same as torch's DistributedDataParallel (seed 001):
+
+* The constructor is a synchronization point. It checks that every rank built the same
+  model and copies rank 0's parameters and buffers to everyone, so replicas start equal.
+* Forward is the wrapped module's forward. Before it runs, buffers (BatchNorm running
+  statistics) are broadcast from rank 0 (``broadcast_buffers=True``): every rank then
+  normalizes with its own batch's statistics but carries rank 0's running averages.
+* When ``loss.backward()`` returns, every parameter's ``.grad`` holds the gradient
+  averaged over ranks; the reduction ran in buckets while backward was still going (see
+  :mod:`ddpkit.parallel.reducer`). Replicas stay identical because every rank then
+  applies the same optimizer step to the same parameters with the same gradients.
+* ``no_sync()`` skips the reduction (gradient accumulation); :func:`ddpkit.join` lets
+  ranks with fewer batches finish early without hanging the others.
+
+There is no ``device_ids``: the module stays where the caller put it, possibly across
+several devices (model parallel inside each replica). Buckets are per (device, dtype).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.buckets import Allocator, default_allocator, size_limits
+from ddpkit.parallel.reducer import CommHook, Reducer
+from ddpkit.parallel.state_sync import broadcast_coalesced, verify_same_layout
+
+
+def _allocator_from(comm_state: object) -> Allocator:
+    """Use ``comm_state.allocate`` for bucket storage when the state offers it.
+
+    This is how a shared-memory communicator gets gradients written straight into its
+    segment by backward: the bucket buffers *are* its memory.
+    """
+    allocate = getattr(comm_state, "allocate", None)
+    if allocate is None or not callable(allocate):
+        return default_allocator
+    try:
+        takes_device = len(inspect.signature(allocate).parameters) >= 3
+    except (TypeError, ValueError):
+        takes_device = True
+    if takes_device:
+        return lambda numel, dtype, device: allocate(numel, dtype, device)
+
+    def without_device(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return default_allocator(numel, dtype, device)
+        return allocate(numel, dtype)
+
+    return without_device
+
+
+class DataParallel(nn.Module):
+    """Replicate ``module`` across the ranks of ``group`` and average gradients in backward.
+
+    Args:
+        module: the model, already on its device(s); every rank builds the same one.
+        bucket_cap_mb: size cap of a gradient bucket in MiB (the first bucket is capped at
+            ``first_bucket_cap_mb``, default ``min(1, bucket_cap_mb)``).
+        broadcast_buffers: copy rank 0's buffers to every rank before each forward.
+        find_unused_parameters: allow parameters that get no gradient in a backward;
+            without it such a parameter raises an error naming it.
+        comm_hook: ``hook(state, bucket) -> Future[Tensor]`` replacing the all-reduce of a
+            bucket (see :mod:`ddpkit.parallel.hooks`); it must average (``bucket.divisor()``).
+        comm_state: passed to the hook; if it has ``allocate(numel, dtype, device)``, bucket
+            storage is allocated through it.
+        group: the process group to replicate over (default: the whole world).
+        first_bucket_cap_mb: cap of the first bucket (the gradients ready first).
+        initial_bucketing: layout until the first backward has shown the real gradient
+            order: ``"reverse"`` (reverse registration order, size-capped buckets: overlap
+            from the first step) or ``"single"`` (one bucket per device and dtype in
+            registration order, reduced at the end: torch 2.x's layout, which makes results
+            bit-identical to torch DDP's at any world size).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        bucket_cap_mb: float = 25.0,
+        broadcast_buffers: bool = True,
+        find_unused_parameters: bool = False,
+        comm_hook: CommHook | None = None,
+        comm_state: object = None,
+        group: dist.ProcessGroup | None = None,
+        first_bucket_cap_mb: float | None = None,
+        initial_bucketing: str = "reverse",
+    ):
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError(
+                "DataParallel needs a process group: call ddpkit.init() (or run under "
+                "`ddpkit launch`) before wrapping the model"
+            )
+        if isinstance(module, DataParallel):
+            raise ConfigError("module is already a DataParallel; wrap the plain model once")
+        if comm_hook is not None and not callable(comm_hook):
+            raise ConfigError(
+                f"comm_hook must be callable as hook(state, bucket), got {comm_hook!r}")
+        try:
+            limits = size_limits(bucket_cap_mb, first_bucket_cap_mb)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if initial_bucketing not in ("reverse", "single"):
+            raise ConfigError(
+                f"initial_bucketing must be 'reverse' or 'single', got {initial_bucketing!r}")
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.require_backward_grad_sync = True
+        self._join_state = None  # set by ddpkit.join while its context is open
+
+        named_params = list(module.named_parameters())
+        named_buffers = list(module.named_buffers())
+        verify_same_layout(named_params, named_buffers, group)
+        # Rank 0's initial state wins, so replicas start identical whatever seeds were used.
+        broadcast_coalesced([p.detach() for _, p in named_params] + [b for _, b in named_buffers],
+                            0, group)
+        self._buffers_to_sync = [b for _, b in named_buffers]
+        trainable = [(n, p) for n, p in named_params if p.requires_grad]
+        if not trainable:
+            raise ConfigError("DataParallel: the module has no parameter that requires grad")
+        self.reducer = Reducer(
+            [p for _, p in trainable],
+            [n for n, _ in trainable],
+            group,
+            limits_bytes=limits,
+            find_unused_parameters=find_unused_parameters,
+            comm_hook=comm_hook,
+            comm_state=comm_state,
+            allocate=_allocator_from(comm_state),
+            initial_bucketing=initial_bucketing,
+        )
+
+    # -- forward -------------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        src, divisor = 0, self.world_size
+        if self._join_state is not None:
+            active, sync = self._join_state.exchange(self, active=True, sync=sync)
+            src = min(active)
+            divisor = self._join_state.divisor(len(active))
+        if sync:
+            self.reducer.maybe_rebuild(src)
+        self._sync_buffers(src)
+        if sync:
+            self.reducer.arm(divisor)
+        else:
+            self.reducer.disarm()
+        return self.module(*args, **kwargs)
+
+    def _sync_buffers(self, src: int) -> None:
+        if self.broadcast_buffers and self._buffers_to_sync and self.world_size > 1:
+            broadcast_coalesced(self._buffers_to_sync, src, self.group)
+
+    # -- join ----------------------------------------------------------------------------
+
+    def _shadow_iteration(self, active: list[int], sync: bool, divisor: int) -> None:
+        """Issue the collectives one forward+backward on the active ranks will issue."""
+        src = min(active)
+        if sync:
+            self.reducer.maybe_rebuild(src)
+        self._sync_buffers(src)
+        if sync:
+            self.reducer.shadow_backward(divisor)
+
+    def _sync_final_state(self, src: int) -> None:
+        """After join: ranks that stopped early take the last trainer's parameters."""
+        tensors = [p.detach() for p in self.module.parameters()] + self._buffers_to_sync
+        broadcast_coalesced(tensors, src, self.group)
+
+    # -- user API ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside this block accumulate local gradients without reducing.
+
+        The first forward+backward *after* the block reduces the accumulated gradients.
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def bucket_layout(self) -> list[list[str]]:
+        """Parameter names per gradient bucket, in the order buckets are reduced."""
+        return self.reducer.bucket_sizes()
+
+    def extra_repr(self) -> str:
+        sizes = [sum(self.reducer.params[i].numel() for i in b.param_indices)
+                 for b in self.reducer.buckets]
+        return f"world_size={self.world_size}, buckets={len(sizes)} (numel {sizes})"

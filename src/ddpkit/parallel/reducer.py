@@ -1,0 +1,315 @@
+"""The reducer: turns "this gradient is ready" signals into bucketed, overlapped all-reduces.
+
+Life of one synchronized backward:
+
+1. ``arm(divisor)`` (called by the forward) resets every bucket's pending count.
+2. Autograd finishes accumulating a parameter's gradient and fires its
+   post-accumulate-grad hook. The hook moves the gradient into its slot of the bucket's
+   flat buffer (scaling by ``1/divisor`` in the same pass on the default path) and points
+   ``param.grad`` at that slot. The first hook of a backward also queues the
+   end-of-backward callback with the autograd engine.
+3. When a bucket's last gradient arrives, every bucket that is now complete *and* has no
+   incomplete bucket before it is launched asynchronously. Launching strictly in bucket
+   order is what keeps ranks from deadlocking: collectives match by issue order, and two
+   ranks may see their gradients arrive in different orders.
+4. The end-of-backward callback launches what is left (buckets holding parameters that
+   got no gradient, if ``find_unused_parameters``), waits for every bucket in order and
+   leaves the averaged gradients in ``param.grad`` (views into the buffers). When it
+   returns, ``loss.backward()`` returns.
+
+Averaging (default path): each rank multiplies its gradient by ``1/divisor`` while
+copying it into the bucket, then the buckets are summed, which is what torch's
+reducer does, so the results are bit-for-bit the same as torch DDP's when bucket layouts
+match. With a comm hook the engine does not scale: the hook averages (it gets
+``bucket.divisor()``), as with torch's hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.errors import DdpkitError
+from ddpkit.parallel.buckets import (
+    Allocator,
+    Bucket,
+    assign_buckets,
+    build_buckets,
+    default_allocator,
+)
+from ddpkit.parallel.grad_bucket import GradBucket
+
+CommHook = Callable[[object, GradBucket], torch.futures.Future]
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype)
+
+
+class Reducer:
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        group: dist.ProcessGroup | None,
+        *,
+        limits_bytes: Sequence[int],
+        find_unused_parameters: bool,
+        comm_hook: CommHook | None,
+        comm_state: object,
+        allocate: Allocator = default_allocator,
+        initial_bucketing: str = "reverse",
+    ):
+        self.params = list(params)
+        self.names = list(names)
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.limits = list(limits_bytes)
+        self.find_unused = find_unused_parameters
+        self.comm_hook = comm_hook
+        self.comm_state = comm_state
+        self.allocate = allocate
+
+        if initial_bucketing == "reverse":
+            reverse = list(reversed(range(len(self.params))))
+            initial = assign_buckets(self.params, reverse, self.limits)
+        elif initial_bucketing == "single":
+            # torch >= 2.x's choice: until the real order is known, one bucket per
+            # (device, dtype) in registration order, reduced after the whole backward.
+            initial = assign_buckets(self.params, list(range(len(self.params))), [2**62])
+        else:
+            raise ValueError(
+                f"initial_bucketing must be 'reverse' or 'single', got {initial_bucketing!r}")
+        self.assignment = initial
+        self._install(build_buckets(self.params, self.assignment, allocate))
+
+        self.armed = False
+        self.divisor = self.world_size
+        self.ready = [False] * len(self.params)
+        self.used = [False] * len(self.params)  # got its gradient from autograd this backward
+        self.next_to_launch = 0
+        self.callback_queued = False
+        self.synced_iterations = 0
+        self.ready_order: list[int] = []
+        self.rebuilt = False
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(self.params)
+        ]
+
+    # -- buckets -------------------------------------------------------------------------
+
+    def _install(self, buckets: list[Bucket]) -> None:
+        self.buckets = buckets
+        self.bucket_of = [0] * len(self.params)
+        self.views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        for bucket in buckets:
+            for i, view in zip(bucket.param_indices, bucket.views):
+                self.bucket_of[i] = bucket.index
+                self.views[i] = view
+
+    def bucket_sizes(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order (for logs and tests)."""
+        return [[self.names[i] for i in b.param_indices] for b in self.buckets]
+
+    def maybe_rebuild(self, src: int) -> None:
+        """Once, after the first synchronized backward: re-bucket by the observed order.
+
+        The order every rank uses is the one rank ``src`` (a group rank) observed: ranks
+        may see gradients arrive in slightly different orders, and their buckets must be
+        identical for the all-reduces to pair up. Called at the same point of the same
+        iteration on every rank (the forward after the first synchronized backward),
+        including ranks that shadow the others under join.
+        """
+        if self.rebuilt or self.synced_iterations == 0 or self.find_unused:
+            return
+        self.rebuilt = True
+        order = torch.zeros(len(self.params), dtype=torch.int64, device=self._comm_device())
+        if len(self.ready_order) == len(self.params):
+            order.copy_(torch.tensor(self.ready_order, dtype=torch.int64))
+        if self.world_size > 1:
+            dist.broadcast(order, group=self.group, group_src=src)
+        order_list = order.tolist()
+        if sorted(order_list) != list(range(len(self.params))):
+            raise DdpkitError(f"rank {src} sent an invalid gradient order while re-bucketing")
+        assignment = assign_buckets(self.params, order_list, self.limits)
+        if assignment == self.assignment:
+            return  # the guess was right: keep the storage, skip the copies
+        new = build_buckets(self.params, assignment, self.allocate)
+        new_views = {i: v for b in new for i, v in zip(b.param_indices, b.views)}
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if p.grad is not None and _same_memory(p.grad, self.views[i]):
+                    new_views[i].copy_(p.grad)
+                    p.grad = new_views[i]
+        self.assignment = assignment
+        self._install(new)
+
+    def _comm_device(self) -> torch.device:
+        return self.params[0].device
+
+    # -- one backward --------------------------------------------------------------------
+
+    def arm(self, divisor: int) -> None:
+        """The next backward synchronizes; the summed gradients get divided by ``divisor``."""
+        self.armed = True
+        self.divisor = divisor
+        self.ready = [False] * len(self.params)
+        self.used = [False] * len(self.params)
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.param_indices)
+            bucket.future = None
+            bucket.work = None
+        self.next_to_launch = 0
+        self.callback_queued = False
+        if self.synced_iterations == 0:
+            self.ready_order = []
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def _make_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(index, param)
+
+        return hook
+
+    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        if not self.armed:
+            return  # no_sync(), or a backward that did not go through our forward
+        if self.ready[i]:
+            raise DdpkitError(
+                f"parameter {self.names[i]!r} received a gradient twice in one backward "
+                "(reentrant checkpointing, or two backward passes through one forward); "
+                "DataParallel reduces each gradient once per forward: run one backward per forward"
+            )
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
+        self.used[i] = True
+        self._mark_ready(i, param)
+        if self.buckets[self.bucket_of[i]].pending == 0:
+            self._launch_ready_buckets()
+
+    def _mark_ready(self, i: int, param: torch.Tensor) -> None:
+        view = self.views[i]
+        grad = param.grad
+        scale = self.comm_hook is None and self.divisor != 1
+        with torch.no_grad():
+            if grad is None:
+                view.zero_()
+            elif grad.is_sparse:
+                raise DdpkitError(
+                    f"parameter {self.names[i]!r} has a sparse gradient; DataParallel reduces "
+                    "dense gradients only (use nn.Embedding(sparse=False))"
+                )
+            elif _same_memory(grad, view):
+                if scale:
+                    view.mul_(1.0 / self.divisor)
+            elif scale:
+                # Copy and scale in one pass over memory (what torch's reducer does too).
+                torch.mul(grad, 1.0 / self.divisor, out=view)
+            else:
+                view.copy_(grad)
+        param.grad = view
+        self.ready[i] = True
+        if self.synced_iterations == 0:
+            self.ready_order.append(i)
+        self.buckets[self.bucket_of[i]].pending -= 1
+
+    def _launch_ready_buckets(self) -> None:
+        while self.next_to_launch < len(self.buckets):
+            bucket = self.buckets[self.next_to_launch]
+            if bucket.pending:
+                return
+            self._launch(bucket, bucket.buffer, bucket.views)
+            self.next_to_launch += 1
+
+    def _launch(self, bucket: Bucket, buffer: torch.Tensor, views: list[torch.Tensor]) -> None:
+        if self.comm_hook is not None:
+            grad_bucket = GradBucket(
+                bucket.index, buffer, [self.params[i] for i in bucket.param_indices], views,
+                self.divisor, bucket.index == len(self.buckets) - 1,
+            )
+            bucket.future = self.comm_hook(self.comm_state, grad_bucket)
+            if not isinstance(bucket.future, torch.futures.Future):
+                raise DdpkitError(
+                    f"comm_hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} returned "
+                    f"{type(bucket.future).__name__}; a comm hook must return a "
+                    "torch.futures.Future"
+                )
+        elif self.world_size > 1:
+            bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
+
+    def _finalize_backward(self) -> None:
+        """End-of-backward callback: every bucket reduced, every grad averaged, then return."""
+        self.callback_queued = False
+        try:
+            missing = [i for i, done in enumerate(self.ready) if not done]
+            had_grad = {i: self.params[i].grad is not None for i in missing}
+            if missing and not self.find_unused:
+                names = ", ".join(repr(self.names[i]) for i in missing[:8])
+                more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+                raise DdpkitError(
+                    f"DataParallel: parameters got no gradient in this backward: {names}{more}. "
+                    "Pass find_unused_parameters=True if the graph skips them on purpose, or "
+                    "make sure the loss depends on every parameter (or set requires_grad=False)"
+                )
+            for i in missing:
+                self._mark_ready(i, self.params[i])
+            self._launch_ready_buckets()
+            globally_used = self._reduce_used_flags() if self.find_unused else None
+            for bucket in self.buckets:
+                self._wait(bucket, bucket.buffer)
+            if globally_used is not None:
+                for i in missing:
+                    # Unused on every rank and no gradient before: leave .grad as None,
+                    # like torch, so optimizers skip the parameter.
+                    if not globally_used[i] and not had_grad[i]:
+                        self.params[i].grad = None
+            self.synced_iterations += 1
+        finally:
+            self.armed = False
+
+    def _reduce_used_flags(self) -> list[bool]:
+        flags = torch.tensor(self.used, dtype=torch.int32, device=self._comm_device())
+        if self.world_size > 1:
+            dist.all_reduce(flags, group=self.group)
+        return [bool(v) for v in flags.tolist()]
+
+    def _wait(self, bucket: Bucket, buffer: torch.Tensor) -> None:
+        if bucket.work is not None:
+            bucket.work.wait()
+            bucket.work = None
+        elif bucket.future is not None:
+            result = bucket.future.wait()
+            bucket.future = None
+            if isinstance(result, (list, tuple)):
+                result = result[0]
+            if not _same_memory(result, buffer):
+                with torch.no_grad():
+                    buffer.copy_(result.reshape(-1))
+
+    # -- join: shadowing the collectives of ranks that still have data ---------------------
+
+    def shadow_backward(self, divisor: int) -> None:
+        """Issue this rank's share of one backward's collectives with zero gradients."""
+        self.divisor = divisor
+        for bucket in self.buckets:
+            zeros = torch.zeros_like(bucket.buffer)
+            views = [zeros[o : o + self.params[i].numel()].view_as(self.params[i])
+                     for i, o in zip(bucket.param_indices, bucket.offsets)]
+            bucket.future = bucket.work = None
+            self._launch(bucket, zeros, views)
+            self._wait(bucket, zeros)
+        if self.find_unused:
+            self.used = [False] * len(self.params)
+            self._reduce_used_flags()
+        self.synced_iterations += 1
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
