@@ -6,6 +6,7 @@ land, DataParallel, join, Checkpointer and the comm/data subpackages.
 
 from ddpkit.checkpoint import Checkpointer
 from ddpkit.errors import CommError, ConfigError, DdpkitError
+from ddpkit.parallel import DataParallel, join
 from ddpkit.runtime import distributed, init, shutdown
 from ddpkit.spawn import SpawnError, spawn
 from ddpkit.topology import Topology
@@ -15,12 +16,14 @@ __all__ = [
     "Checkpointer",
     "CommError",
     "ConfigError",
+    "DataParallel",
     "DdpkitError",
     "SpawnError",
     "Topology",
     "World",
     "distributed",
     "init",
+    "join",
     "shutdown",
     "spawn",
 ]
