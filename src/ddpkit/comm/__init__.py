@@ -1,0 +1,38 @@
+"""ddpkit.comm: collectives with a choice of algorithm, on torch.distributed.
+
+``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast`` and ``reduce`` take
+torch's arguments plus ``algo=``: "ring" (our segmented ring on point-to-point),
+"naive_ring" (the tutorial's unsegmented one), "backend" (torch's own collective),
+"auto", or any name added with :func:`register_algorithm` (e.g. "shm", registered by
+``ddpkit.comm.shm`` when it is importable). See docs/collectives.md.
+"""
+
+from ddpkit.comm.backend import BackendAlgorithm
+from ddpkit.comm.collectives import all_gather, all_reduce, broadcast, reduce, reduce_scatter
+from ddpkit.comm.lanes import CommHandle, close_lanes, new_group
+from ddpkit.comm.ops import OPS
+from ddpkit.comm.registry import (
+    algorithms,
+    get_algorithm,
+    register_algorithm,
+    unregister_algorithm,
+)
+from ddpkit.comm.ring import RingAlgorithm
+
+__all__ = [
+    "OPS",
+    "BackendAlgorithm",
+    "CommHandle",
+    "RingAlgorithm",
+    "algorithms",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "close_lanes",
+    "get_algorithm",
+    "new_group",
+    "reduce",
+    "reduce_scatter",
+    "register_algorithm",
+    "unregister_algorithm",
+]

@@ -1,0 +1,401 @@
+"""The public collectives: torch's signatures, any registered algorithm underneath.
+
+Every call follows the same recipe so that algorithms stay small:
+
+1. validate locally (op, dtype, sizes, root, algorithm), remembering any refusal;
+2. agree with the other ranks on the call's signature (``check=True``), so a refusal
+   or a mismatch becomes the same CommError on every rank before payload moves;
+3. hand the algorithm 1-D contiguous tensors (non-contiguous ones are copied into a
+   contiguous buffer and the result copied back, so they are *handled*, not refused);
+4. finish "avg" as a sum divided by the group size (gloo has no AVG, and algorithms
+   then only implement the associative ops).
+
+Results land in place, as with torch: ``all_reduce`` overwrites ``tensor``; ``reduce``
+overwrites it on ``dst`` only (other ranks' tensors are left as they were).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.comm import agreement, groups, lanes, ops, registry
+from ddpkit.comm.agreement import CallSignature
+from ddpkit.comm.lanes import CommHandle
+from ddpkit.errors import CommError
+
+Op = str | dist.ReduceOp
+Result = CommHandle | None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+_KNOWN_DTYPES = [
+    _dtype_name(d) for d in (*ops.DTYPES, torch.bool, torch.int16, torch.complex64)
+]
+
+
+def _as_flat(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A 1-D contiguous tensor sharing the caller's storage when possible, and how to put
+    results back when it could not."""
+    if tensor.is_contiguous():
+        return tensor.view(-1), lambda: None
+    work = tensor.contiguous()
+    return work.view(-1), lambda: tensor.copy_(work)
+
+
+def _require_tensor(value, what: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise CommError(f"{what} must be a torch.Tensor, got {type(value).__name__}")
+
+
+class _Call:
+    """One collective call on its way through validate -> agree -> run -> finish."""
+
+    def __init__(self, collective: str, algo: str, group, async_op: bool, check: bool):
+        self.collective = collective
+        self.algo_arg = algo
+        self.group = group
+        self.async_op = async_op
+        self.check = check
+        self.problem: CommError | None = None
+        self.view = groups.view(group)
+        self.sig = CallSignature(collective, str(algo), "-", "?", -1, -1, -1, False)
+
+    @property
+    def member(self) -> bool:
+        return self.view is not None
+
+    def validate(self, fn: Callable[[], None]) -> None:
+        """Run a local check; a refusal is kept, to be raised on every rank together."""
+        if self.problem is None:
+            try:
+                fn()
+            except CommError as err:
+                self.problem = err
+                self.sig = replace(self.sig, problem=True)
+
+    def resolve(self, tensor: torch.Tensor) -> None:
+        def pick() -> None:
+            name, impl = registry.resolve(self.algo_arg, tensor, self.group)
+            self.name, self.impl = name, impl
+            self.sig = replace(self.sig, algo=name)
+            self.method = registry.method(impl, name, self.collective)
+
+        self.validate(pick)
+
+    def agree(self, group, device: torch.device) -> None:
+        if self.check:
+            agreement.agree(
+                self.sig, group, self.view.size, device,
+                known_algos=("auto", *registry.algorithms()),
+                known_ops=(*ops.OPS, "-"),
+                known_dtypes=_KNOWN_DTYPES,
+            )
+        if self.problem is not None:
+            raise self.problem
+
+    def run(
+        self, device: torch.device, body: Callable[[object], None],
+        backend_async: Callable[[], object],
+        finish: Callable[[], torch.Tensor],
+    ) -> Result:
+        """Agree, then run ``body(group)`` and ``finish()``; in the background when asked.
+
+        Which group the agreement runs on depends only on the ``algo`` argument, never
+        on whether local validation passed, so ranks cannot split up and wait forever.
+        """
+        if self.problem is not None and not self.check:
+            raise self.problem
+        if not self.async_op:
+            self.agree(self.group, device)
+            body(self.group)
+            finish()
+            return None
+        if self.algo_arg == "backend":
+            # torch's own async work; the (small, blocking) agreement runs first.
+            self.agree(self.group, device)
+            work = backend_async()
+            return CommHandle(work.get_future().then(lambda _: finish()))
+        ln = lanes.lane(self.group)
+
+        def job(companion) -> torch.Tensor:
+            self.agree(companion, device)
+            body(companion)
+            return finish()
+
+        fut = ln.submit(job)
+        if self.problem is not None:
+            raise self.problem  # peers get their error from their futures
+        return CommHandle(fut)
+
+
+def _not_member(async_op: bool) -> Result:
+    # torch makes a collective on a group this rank is not in a no-op; so do we.
+    return lanes.completed(None) if async_op else None
+
+
+def _check_op(call: _Call, op: Op, dtype: torch.dtype) -> str:
+    name = str(op)
+
+    def check() -> None:
+        nonlocal name
+        name = ops.op_name(op)
+        ops.check_op(name, dtype)
+
+    call.validate(check)
+    call.sig = replace(call.sig, op=name)
+    return name
+
+
+def _avg_divisor(op: str, size: int) -> int:
+    return size if op == "avg" else 1
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: Op = "sum",
+    algo: str = "ring",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    check: bool = True,
+) -> Result:
+    """Reduce ``tensor`` across the group in place (every rank gets the result).
+
+    ``op``: sum, product, min, max, avg (floating dtypes), band/bor/bxor (integers).
+    ``algo``: "ring", "naive_ring", "backend" (torch's own), "auto" or any registered
+    name. ``async_op=True`` returns a :class:`CommHandle`; otherwise None.
+    """
+    _require_tensor(tensor, "tensor")
+    call = _Call("all_reduce", algo, group, async_op, check)
+    if not call.member:
+        return _not_member(async_op)
+    call.sig = replace(
+        call.sig, dtype=_dtype_name(tensor.dtype), numel_in=tensor.numel(),
+        numel_out=tensor.numel(),
+    )
+    name = _check_op(call, op, tensor.dtype)
+    call.resolve(tensor)
+    size = call.view.size
+    flat, restore = _as_flat(tensor)
+    wire_op = "sum" if name == "avg" else name
+
+    def body(group) -> None:
+        if size > 1 and flat.numel() > 0:
+            call.method(flat, wire_op, group)
+
+    def finish() -> torch.Tensor:
+        if name == "avg":
+            flat.div_(size)
+        restore()
+        return tensor
+
+    def backend_async():
+        return call.impl.all_reduce(flat, wire_op, group, async_op=True)
+
+    return call.run(tensor.device, body, backend_async, finish)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Op = "sum",
+    algo: str = "ring",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    check: bool = True,
+) -> Result:
+    """Reduce ``input`` (group size x ``output.numel()`` elements) across ranks; rank i
+    gets block i of the result in ``output`` (torch's ``reduce_scatter_tensor``)."""
+    _require_tensor(output, "output")
+    _require_tensor(input, "input")
+    call = _Call("reduce_scatter", algo, group, async_op, check)
+    if not call.member:
+        return _not_member(async_op)
+    size = call.view.size
+    call.sig = replace(
+        call.sig, dtype=_dtype_name(input.dtype), numel_in=input.numel(),
+        numel_out=output.numel(),
+    )
+    name = _check_op(call, op, input.dtype)
+    call.validate(lambda: _check_blocks("reduce_scatter", input, output, size, "input", "output"))
+    call.resolve(input)
+    flat_in, _ = _as_flat(input)
+    flat_out, restore = _as_flat(output)
+    wire_op = "sum" if name == "avg" else name
+
+    def body(group) -> None:
+        if size == 1:
+            flat_out.copy_(flat_in)
+        elif flat_out.numel() > 0:
+            call.method(flat_out, flat_in, wire_op, group)
+
+    def finish() -> torch.Tensor:
+        if name == "avg":
+            flat_out.div_(size)
+        restore()
+        return output
+
+    def backend_async():
+        return call.impl.reduce_scatter(flat_out, flat_in, wire_op, group, async_op=True)
+
+    return call.run(input.device, body, backend_async, finish)
+
+
+def all_gather(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    algo: str = "ring",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    check: bool = True,
+) -> Result:
+    """Concatenate every rank's ``input`` into ``output`` (group size x ``input.numel()``
+    elements), in group-rank order (torch's ``all_gather_into_tensor``)."""
+    _require_tensor(output, "output")
+    _require_tensor(input, "input")
+    call = _Call("all_gather", algo, group, async_op, check)
+    if not call.member:
+        return _not_member(async_op)
+    size = call.view.size
+    call.sig = replace(
+        call.sig, dtype=_dtype_name(input.dtype), numel_in=input.numel(),
+        numel_out=output.numel(),
+    )
+    call.validate(lambda: ops.check_dtype(input.dtype))
+    call.validate(lambda: _check_blocks("all_gather", output, input, size, "output", "input"))
+    call.resolve(input)
+    flat_in, _ = _as_flat(input)
+    flat_out, restore = _as_flat(output)
+
+    def body(group) -> None:
+        if size == 1:
+            flat_out.copy_(flat_in)
+        elif flat_out.numel() > 0:
+            call.method(flat_out, flat_in, group)
+
+    def finish() -> torch.Tensor:
+        restore()
+        return output
+
+    def backend_async():
+        return call.impl.all_gather(flat_out, flat_in, group, async_op=True)
+
+    return call.run(input.device, body, backend_async, finish)
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    src: int,
+    algo: str = "ring",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    check: bool = True,
+) -> Result:
+    """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place."""
+    _require_tensor(tensor, "tensor")
+    call = _Call("broadcast", algo, group, async_op, check)
+    if not call.member:
+        return _not_member(async_op)
+    call.sig = replace(
+        call.sig, dtype=_dtype_name(tensor.dtype), numel_in=tensor.numel(),
+        numel_out=tensor.numel(), root=_root_code(src),
+    )
+    call.validate(lambda: ops.check_dtype(tensor.dtype))
+    call.validate(lambda: _check_root(call.view, src, "src"))
+    call.resolve(tensor)
+    flat, restore = _as_flat(tensor)
+
+    def body(group) -> None:
+        if call.view.size > 1 and flat.numel() > 0:
+            call.method(flat, src, group)
+
+    def finish() -> torch.Tensor:
+        restore()
+        return tensor
+
+    def backend_async():
+        return call.impl.broadcast(flat, src, group, async_op=True)
+
+    return call.run(tensor.device, body, backend_async, finish)
+
+
+def reduce(
+    tensor: torch.Tensor,
+    dst: int,
+    op: Op = "sum",
+    algo: str = "ring",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    *,
+    check: bool = True,
+) -> Result:
+    """Reduce ``tensor`` across the group onto global rank ``dst`` (in place there)."""
+    _require_tensor(tensor, "tensor")
+    call = _Call("reduce", algo, group, async_op, check)
+    if not call.member:
+        return _not_member(async_op)
+    call.sig = replace(
+        call.sig, dtype=_dtype_name(tensor.dtype), numel_in=tensor.numel(),
+        numel_out=tensor.numel(), root=_root_code(dst),
+    )
+    name = _check_op(call, op, tensor.dtype)
+    call.validate(lambda: _check_root(call.view, dst, "dst"))
+    call.resolve(tensor)
+    size = call.view.size
+    flat, restore = _as_flat(tensor)
+    wire_op = "sum" if name == "avg" else name
+    is_dst = call.problem is None and call.view.global_rank(call.view.rank) == dst
+
+    def body(group) -> None:
+        if size > 1 and flat.numel() > 0:
+            call.method(flat, dst, wire_op, group)
+
+    def finish() -> torch.Tensor:
+        if is_dst:
+            if name == "avg":
+                flat.div_(size)
+            restore()
+        return tensor
+
+    def backend_async():
+        return call.impl.reduce(flat, dst, wire_op, group, async_op=True)
+
+    return call.run(tensor.device, body, backend_async, finish)
+
+
+def _root_code(root) -> int:
+    return root if isinstance(root, int) and root >= 0 else -2
+
+
+def _check_root(g: groups.GroupView, root, what: str) -> None:
+    if not isinstance(root, int) or isinstance(root, bool):
+        raise CommError(f"{what} must be an int (a global rank), got {root!r}")
+    g.group_rank_of(root, what)
+
+
+def _check_blocks(
+    collective: str, big: torch.Tensor, small: torch.Tensor, size: int, big_name: str,
+    small_name: str,
+) -> None:
+    if big.dtype != small.dtype:
+        raise CommError(
+            f"{collective}: {big_name} is {big.dtype} but {small_name} is {small.dtype}; "
+            "use one dtype"
+        )
+    if big.device != small.device:
+        raise CommError(f"{collective}: {big_name} and {small_name} are on different devices")
+    if big.numel() != size * small.numel():
+        raise CommError(
+            f"{collective}: {big_name} has {big.numel()} elements but needs group size x "
+            f"{small_name} = {size} x {small.numel()} = {size * small.numel()}"
+        )

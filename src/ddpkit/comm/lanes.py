@@ -1,0 +1,152 @@
+"""Asynchronous ddpkit collectives: handles, and one background lane per process group.
+
+A ring written in Python cannot run inside the backend's own threads, so an
+``async_op=True`` call of a Python algorithm is queued to a background thread (a
+"lane") and returns at once. The lane talks on a *companion* process group with the
+same ranks, so its point-to-point messages and agreement checks can never be matched
+against the caller's own operations on the original group, which keep running
+meanwhile.
+
+Ordering rule: a group's async calls run one after another in the order they were
+issued, so every rank must issue its async calls on a group in the same order (as
+with torch's collectives). Sync and async calls do not need a common order.
+
+Companion groups are created collectively (``dist.new_group`` must be called by every
+rank of the job, in the same order): lazily at the first async call for the default
+group, and inside :func:`new_group` for subgroups.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.errors import CommError
+
+
+class CommHandle:
+    """What an ``async_op=True`` call returns: ``wait()`` blocks until the result is in
+    place and returns it; ``get_future()`` is a ``torch.futures.Future`` of that value."""
+
+    def __init__(self, future: torch.futures.Future):
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> Any:
+        # A timeout belongs to the process group (ddpkit.init(timeout=...)); accepted
+        # for signature compatibility with torch's Work.wait.
+        return self._future.wait()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+def completed(value: Any) -> CommHandle:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return CommHandle(fut)
+
+
+class _Lane:
+    """One daemon thread running queued calls in order on one companion group."""
+
+    def __init__(self, companion: dist.ProcessGroup):
+        self.companion = companion
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="ddpkit-comm-lane", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[Any], Any]) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        self._queue.put((fn, fut))
+        return fut
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, fut = item
+            try:
+                value = fn(self.companion)
+            except Exception as exc:  # delivered to whoever waits on the future
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+
+# Lanes and companions belong to one default process group; a new init starts afresh.
+_owner: object | None = None
+_companions: dict[Any, dist.ProcessGroup] = {}
+_lanes: dict[Any, _Lane] = {}
+_lock = threading.Lock()
+
+
+def _key(group) -> Any:
+    return "world" if group is None or group == dist.group.WORLD else group
+
+
+def _current() -> None:
+    global _owner
+    world = dist.group.WORLD
+    if _owner is not world:
+        _companions.clear()
+        _lanes.clear()  # their threads idle forever on an empty queue; daemon, harmless
+        _owner = world
+
+
+def new_group(ranks: Sequence[int] | None = None, **kwargs) -> dist.ProcessGroup:
+    """``dist.new_group`` plus the companion group async ddpkit calls on it need.
+
+    Like ``dist.new_group``, every rank of the job must call it, in the same order,
+    including ranks that are not members.
+    """
+    group = dist.new_group(ranks, **kwargs)
+    companion = dist.new_group(ranks, **kwargs)
+    with _lock:
+        _current()
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+            _companions[_key(group)] = companion
+    return group
+
+
+def lane(group) -> _Lane:
+    """The lane for ``group``; the default group's companion is made on first use."""
+    with _lock:
+        _current()
+        key = _key(group)
+        if key not in _lanes:
+            if key not in _companions:
+                if key != "world":
+                    raise CommError(
+                        "async_op=True with a Python algorithm needs a group made by "
+                        "ddpkit.comm.new_group(ranks) (it creates the companion group the "
+                        "background lane talks on); or use async_op=False or algo='backend'"
+                    )
+                _companions[key] = dist.new_group()
+            _lanes[key] = _Lane(_companions[key])
+        return _lanes[key]
+
+
+def close_lanes() -> None:
+    """Stop every lane's thread and destroy the companion groups (collective: call it on
+    every rank, after waiting for outstanding async calls)."""
+    with _lock:
+        for ln in _lanes.values():
+            ln.close()
+        _lanes.clear()
+        if dist.is_initialized() and _owner is dist.group.WORLD:
+            for companion in _companions.values():
+                dist.destroy_process_group(companion)
+        _companions.clear()

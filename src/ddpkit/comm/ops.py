@@ -1,0 +1,85 @@
+"""Reduction ops by name: which dtypes each accepts and the local kernel that applies it.
+
+Every check here is local and deterministic, so a combination we cannot reduce fails
+with the same :class:`CommError` on every rank before any byte is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.errors import CommError
+
+OPS = ("sum", "product", "min", "max", "avg", "band", "bor", "bxor")
+BITWISE_OPS = ("band", "bor", "bxor")
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INT_DTYPES = (torch.int8, torch.uint8, torch.int32, torch.int64)
+# The dtypes both our ring kernels and gloo reduce; others (bool, complex, int16, fp8)
+# are refused up front rather than half-supported.
+DTYPES = FLOAT_DTYPES + INT_DTYPES
+
+_FROM_REDUCE_OP = {
+    dist.ReduceOp.SUM: "sum",
+    dist.ReduceOp.PRODUCT: "product",
+    dist.ReduceOp.MIN: "min",
+    dist.ReduceOp.MAX: "max",
+    dist.ReduceOp.AVG: "avg",
+    dist.ReduceOp.BAND: "band",
+    dist.ReduceOp.BOR: "bor",
+    dist.ReduceOp.BXOR: "bxor",
+}
+
+TO_REDUCE_OP = {name: op for op, name in _FROM_REDUCE_OP.items()}
+
+# out, a, b -> out = a (op) b. `out` may alias `a`, which is how ranks reduce in place.
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+
+_KERNELS: dict[str, Kernel] = {
+    "sum": lambda out, a, b: torch.add(a, b, out=out),
+    "product": lambda out, a, b: torch.mul(a, b, out=out),
+    "min": lambda out, a, b: torch.minimum(a, b, out=out),
+    "max": lambda out, a, b: torch.maximum(a, b, out=out),
+    "band": lambda out, a, b: torch.bitwise_and(a, b, out=out),
+    "bor": lambda out, a, b: torch.bitwise_or(a, b, out=out),
+    "bxor": lambda out, a, b: torch.bitwise_xor(a, b, out=out),
+}
+
+
+def op_name(op: str | dist.ReduceOp) -> str:
+    """Normalise ``"sum"`` / ``"SUM"`` / ``dist.ReduceOp.SUM`` to one of :data:`OPS`."""
+    if isinstance(op, str):
+        name = op.lower()
+        if name in OPS:
+            return name
+    else:
+        try:
+            return _FROM_REDUCE_OP[op]
+        except (KeyError, TypeError):
+            pass
+    raise CommError(f"unknown reduce op {op!r}; use one of {', '.join(OPS)}")
+
+
+def check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
+        raise CommError(f"dtype {dtype} is not supported by ddpkit.comm; use one of {names}")
+
+
+def check_op(op: str, dtype: torch.dtype) -> None:
+    """Refuse (op, dtype) pairs whose result would be undefined or silently wrong."""
+    check_dtype(dtype)
+    if op in BITWISE_OPS and dtype.is_floating_point:
+        raise CommError(f"op {op!r} needs an integer tensor, got {dtype}")
+    if op == "avg" and not dtype.is_floating_point:
+        raise CommError(
+            f"op 'avg' on {dtype} would truncate; reduce with 'sum' and divide in floating point"
+        )
+
+
+def kernel(op: str) -> Kernel:
+    """The local reduction for ``op``; "avg" is a sum whose caller divides afterwards."""
+    return _KERNELS["sum" if op == "avg" else op]

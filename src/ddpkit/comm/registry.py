@@ -1,0 +1,106 @@
+"""Named collective algorithms, so callers switch with ``algo=...`` and modules add their own.
+
+An algorithm is any object with ``all_reduce(tensor, op, group)``; it may also provide
+``reduce_scatter(output, input, op, group)``, ``all_gather(output, input, group)``,
+``broadcast(tensor, src, group)``, ``reduce(tensor, dst, op, group)`` and
+``supports(tensor, group) -> bool`` (which makes it a candidate for ``algo="auto"``).
+Callers give it 1-D contiguous tensors, ``op`` is never "avg" (the caller sums and
+divides), ``src``/``dst`` are global ranks, and the group has at least two ranks.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ddpkit.comm.backend import BackendAlgorithm
+from ddpkit.comm.ring import RingAlgorithm
+from ddpkit.errors import CommError
+from ddpkit.log import get_logger
+
+log = get_logger(__name__)
+
+# Modules that register algorithms when imported; missing ones are simply not built yet.
+_PLUGINS = ("ddpkit.comm.shm",)
+# "auto" asks these first (shared memory beats the network whenever it applies), then
+# every other algorithm with a supports() in registration order, then falls back to backend.
+_AUTO_FIRST = ("shm",)
+
+_algorithms: dict[str, object] = {}
+_plugins_loaded = False
+
+
+def register_algorithm(name: str, impl: object, *, replace: bool = False) -> None:
+    """Make ``impl`` available as ``algo=name`` in every ddpkit.comm collective."""
+    if not isinstance(name, str) or not name or name == "auto":
+        raise CommError(f"algorithm name must be a non-empty string, not 'auto'; got {name!r}")
+    if not callable(getattr(impl, "all_reduce", None)):
+        raise CommError(f"algorithm {name!r} must provide all_reduce(tensor, op, group)")
+    if name in _algorithms and not replace and _algorithms[name] is not impl:
+        raise CommError(f"algorithm {name!r} is already registered; pass replace=True to swap it")
+    _algorithms[name] = impl
+
+
+def unregister_algorithm(name: str) -> None:
+    _algorithms.pop(name, None)
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for module in _PLUGINS:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                log.warning_once(f"ddpkit.comm: could not load {module}: {exc}")
+        except Exception as exc:  # an optional algorithm must not take the others down
+            log.warning_once(f"ddpkit.comm: could not load {module}: {type(exc).__name__}: {exc}")
+
+
+def algorithms() -> tuple[str, ...]:
+    """Names accepted by ``algo=`` besides "auto", in registration order."""
+    _load_plugins()
+    return tuple(_algorithms)
+
+
+def get_algorithm(name: str) -> object:
+    _load_plugins()
+    try:
+        return _algorithms[name]
+    except (KeyError, TypeError):
+        known = ", ".join(("auto", *_algorithms))
+        raise CommError(f"unknown algorithm {name!r}; registered: {known}") from None
+
+
+def resolve(algo: str, tensor: torch.Tensor, group) -> tuple[str, object]:
+    """(name, impl) for ``algo``; "auto" picks the first willing specialised algorithm."""
+    if algo != "auto":
+        return algo, get_algorithm(algo)
+    _load_plugins()
+    order = [n for n in _AUTO_FIRST if n in _algorithms]
+    order += [n for n in _algorithms if n not in order]
+    for name in order:
+        supports = getattr(_algorithms[name], "supports", None)
+        if supports is not None and supports(tensor, group):
+            return name, _algorithms[name]
+    return "backend", _algorithms["backend"]
+
+
+def method(impl: object, name: str, collective: str):
+    fn = getattr(impl, collective, None)
+    if not callable(fn):
+        raise CommError(
+            f"algorithm {name!r} does not implement {collective}; use algo='ring' or 'backend'"
+        )
+    return fn
+
+
+register_algorithm("backend", BackendAlgorithm())
+register_algorithm("ring", RingAlgorithm())
+# The tutorial's ring: one message per chunk, nothing overlapped. Kept to show what
+# segmenting buys (see `ddpkit bench collectives --algo naive_ring,ring,backend`).
+register_algorithm("naive_ring", RingAlgorithm(None, min_segments=1, in_flight=1))
