@@ -201,6 +201,14 @@ class ShardSampler(Sampler[int]):
         """Samples this rank reads in the rest of the current epoch."""
         return sum(math.ceil((b - a) / self.num_replicas) for a, b in self._chunks())
 
+    def _advance(self, epoch: int, consumed_up_to: int) -> None:
+        # Called *before* handing data out: a state_dict taken while the caller holds it
+        # already points past it, and past the epoch's end means the next epoch.
+        if consumed_up_to >= self.end:
+            self.epoch, self.position = epoch + 1, 0
+        else:
+            self.position = consumed_up_to
+
     def batches(self) -> Iterator[ShardBatch]:
         """This rank's batches for the rest of the current epoch, then move to the next."""
         epoch, order = self.epoch, self.order(self.epoch)
@@ -215,17 +223,21 @@ class ShardSampler(Sampler[int]):
                 epoch=epoch,
                 step=start // self.global_batch_size,
             )
-            # State first, then hand out: a state_dict taken while the caller holds this
-            # batch already points past it, and past the epoch's end means the next epoch.
-            if stop >= self.end:
-                self.epoch, self.position = epoch + 1, 0
-            else:
-                self.position = stop
+            self._advance(epoch, stop)
             yield batch
 
     def __iter__(self) -> Iterator[int]:
-        for batch in self.batches():
-            yield from batch.indices
+        """Sample by sample; the position advances per sample, so a state_dict taken
+        between any two samples resumes exactly (all ranks are assumed in lockstep)."""
+        epoch, order = self.epoch, self.order(self.epoch)
+        n, world = self.num_samples, self.num_replicas
+        for start, stop in self._chunks():
+            padded_stop = start + math.ceil((stop - start) / world) * world
+            for k, q in enumerate(range(start + self.rank, padded_stop, world)):
+                # After every rank handed out k+1 samples of this chunk, the job has
+                # consumed its first (k+1) * world positions.
+                self._advance(epoch, min(start + (k + 1) * world, stop))
+                yield int(order[q % n])
 
     # ----------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, int | bool]:
