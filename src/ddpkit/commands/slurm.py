@@ -1,0 +1,57 @@
+"""``ddpkit slurm``: write an sbatch script that runs a ddpkit job on N nodes x G GPUs.
+
+    ddpkit slurm --nodes 4 --gpus-per-node 8 --time 12:00:00 -- train --epochs 90
+    sbatch ddpkit.sbatch
+
+One task per GPU, World from SLURM's variables, requeue on preemption (see ddpkit.slurm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ddpkit.slurm import SlurmJob, write
+
+
+def register(sub) -> None:
+    p = sub.add_parser("slurm", help="write an sbatch script for an N-node job (requeues)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, required=True, help="nodes to allocate (N)")
+    p.add_argument("--gpus-per-node", type=int, required=True,
+                   help="GPUs per node (G); one task per GPU. 0 for CPU nodes")
+    p.add_argument("--tasks-per-node", type=int, default=None,
+                   help="processes per node on CPU nodes (default: --gpus-per-node)")
+    p.add_argument("--time", default=None, help="time limit, e.g. 12:00:00 or 1-00:00:00")
+    p.add_argument("--partition", default=None, help="SLURM partition")
+    p.add_argument("--account", default=None, help="SLURM account to charge")
+    p.add_argument("--job-name", default="ddpkit", help="job name (default: ddpkit)")
+    p.add_argument("--cpus-per-task", type=int, default=None, help="CPU cores per task")
+    p.add_argument("--log", default="%x-%j.out",
+                   help="sbatch --output pattern (default: %%x-%%j.out)")
+    p.add_argument("--signal-lead", type=int, default=120, metavar="SECONDS",
+                   help="warn (USR1) this long before the time limit, then requeue (default: 120)")
+    p.add_argument("--script", default="ddpkit.sbatch",
+                   help="file to write (default: ddpkit.sbatch)")
+    p.add_argument("--force", action="store_true", help="replace --script if it exists")
+    # dest must not be "command": the top-level parser keeps the subcommand name there.
+    p.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND",
+                   help="after --: `train ARGS` (ddpkit train) or `SCRIPT.py ARGS`")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    command = list(args.job)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    job = SlurmJob(
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, command=tuple(command),
+        tasks_per_node=args.tasks_per_node, time=args.time, partition=args.partition,
+        account=args.account, job_name=args.job_name, cpus_per_task=args.cpus_per_task,
+        output=args.log, signal_lead_s=args.signal_lead,
+    )
+    path = write(job, args.script, force=args.force, argv=sys.argv[2:])
+    world = job.nodes * job.tasks
+    print(f"wrote {path}: {job.nodes} node(s) x {job.tasks} task(s) = {world} ranks; "
+          f"submit with: sbatch {path}")
+    return 0
