@@ -110,7 +110,8 @@ class ProgressBoard:
                 out.append(RankProgress(rank, -1, -1, "", None))
                 continue
             seq, step, stamp, name = self.store.get(key).decode().split("|", 3)
-            out.append(RankProgress(rank, int(seq), int(step), name, now - float(stamp)))
+            age = max(now - float(stamp), 0.0)  # clocks of other hosts may run slightly ahead
+            out.append(RankProgress(rank, int(seq), int(step), name, age))
         return out
 
     def behind(self, seq: int | None = None) -> list[RankProgress]:
