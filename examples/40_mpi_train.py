@@ -65,7 +65,8 @@ def main() -> None:
             loss.backward()
             opt.step()
         if world.is_main:
-            print(f"final loss (rank 0 shard) {loss.item():.4f}", flush=True)
+            if args.steps:
+                print(f"final loss (rank 0 shard) {loss.item():.4f}", flush=True)
             if args.out:
                 torch.save(model.state_dict(), args.out)
 
