@@ -72,8 +72,16 @@ def check_world_size(cfg: Config, opts) -> None:
     local_batch_size(cfg.train.batch_size, nproc * nnodes)
 
 
+# Sample shape of each dataset, to check the model fits before any process starts.
+INPUT_SHAPES = {"digits": (1, 8, 8), "synthetic": (1, 8, 8), "mnist": (1, 28, 28)}
+
+
 def check_data(cfg: Config) -> None:
-    """Fail early on a missing or malformed dataset (the workers would all fail later)."""
+    """Fail early on a missing or malformed dataset or a model that does not fit it
+    (the workers would all fail later, each with the same message)."""
+    from ddpkit.train.models import build_model
+
+    build_model(cfg.model.name, INPUT_SHAPES[cfg.data.name], 10, hidden=cfg.model.hidden)
     if cfg.data.name == "mnist":
         from ddpkit.data.datasets import load_mnist
 

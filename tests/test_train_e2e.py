@@ -1,0 +1,46 @@
+"""End to end: `ddpkit train` launches 2 processes through torchrun's agent for one epoch."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ddpkit.train.config import resolve
+from ddpkit.train.report import read_jsonl
+
+
+def _one_epoch_in_pool(world, cfg_dict):
+    from ddpkit.train.config import Config
+    from ddpkit.train.trainer import Trainer
+
+    trainer = Trainer(Config.from_dict(cfg_dict), world, write=False)
+    return trainer.fit()["final_train_loss"]
+
+
+@pytest.mark.slow
+def test_ddpkit_train_two_processes_one_epoch(tmp_path, pools):
+    out = tmp_path / "runs"
+    argv = ["--epochs", "1", "--seed", "7", "--engine", "torch", "--out-dir", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "ddpkit.cli", "train", "--nproc-per-node", "2",
+                           *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()  # one new run directory
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "config.json", "curves.png", "metrics.jsonl", "summary.json"]
+    assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (record,) = read_jsonl(run_dir / "metrics.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["train"]["seed"] == 7 and config["world_size"] == 2
+    assert record["epoch"] == 1 and record["step"] == 12  # ceil(1438 / 128) steps
+    assert record["train_samples"] == 1438 and record["test_samples"] == 359
+    assert record["rank_train_samples"] == [719, 719]
+    assert 0.5 < record["test_acc"] <= 1 and 0 < record["train_loss"] < 2.31
+    assert summary["final_test_acc"] == record["test_acc"] and summary["world_size"] == 2
+    assert summary["epochs"] == 1 and summary["steps"] == 12
+    assert "epoch 1/1: train loss" in proc.stderr and "loss by rank [" in proc.stderr
+    # The launched run is the same computation as the same config on 2 pooled ranks.
+    cfg = resolve({"epochs": 1, "seed": 7, "engine": "torch", "threads": 1})
+    pooled = pools(2).run(_one_epoch_in_pool, cfg.to_dict())
+    assert pooled[0] == pytest.approx(record["train_loss"], rel=1e-9)
