@@ -69,8 +69,8 @@ def test_train_metrics_count_every_real_sample_once(one_epoch):
         assert sum(rec["rank_train_samples"]) == N_TRAIN
         assert len(rec["rank_train_loss"]) == world
         # Per-rank losses weighted by per-rank counts give the global loss.
-        weighted = sum(l * n for l, n in zip(rec["rank_train_loss"], rec["rank_train_samples"],
-                                             strict=True)) / N_TRAIN
+        pairs = zip(rec["rank_train_loss"], rec["rank_train_samples"], strict=True)
+        weighted = sum(loss * n for loss, n in pairs) / N_TRAIN
         assert weighted == pytest.approx(rec["train_loss"], rel=1e-12)
     # 3 ranks took the same steps as 1 process, so the metrics match up to rounding.
     one, three = one_epoch[1][0][0], one_epoch[3][0][0]
