@@ -234,7 +234,7 @@ class Reducer:
                 self.divisor, bucket.index == len(self.buckets) - 1,
             )
             bucket.future = self.comm_hook(self.comm_state, grad_bucket)
-            if not isinstance(bucket.future, torch.futures.Future):
+            if not callable(getattr(bucket.future, "wait", None)):  # torch.futures / _C.Future
                 raise DdpkitError(
                     f"comm_hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} returned "
                     f"{type(bucket.future).__name__}; a comm hook must return a "
