@@ -140,8 +140,19 @@ def test_payload_loads_with_plain_torch_weights_only(tmp_path):
 def test_code_in_a_checkpoint_is_refused(tmp_path):
     ckpt = Checkpointer(tmp_path)
     ckpt.save({"payload": Counter(5)}, step=1)  # pickles a class: not weights-only
-    with pytest.raises(CheckpointError, match="cannot load checkpoint .*step_000000001.pt"):
+    with pytest.raises(CheckpointError, match="refusing to load checkpoint .*weights_only=True"):
         ckpt.load_latest()
+
+
+def test_damaged_file_loaded_directly_is_one_line(tmp_path):
+    ckpt = Checkpointer(tmp_path)
+    path = ckpt.save(small_state(1.0), step=1)
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(CheckpointError, match="damaged or not a checkpoint") as err:
+        ckpt.load(path)
+    assert "\n" not in str(err.value)
+    with pytest.raises(CheckpointError, match="not found on rank 0; .* every rank can read"):
+        ckpt.load(tmp_path / "step_000000009.pt")
 
 
 def test_seed_style_prefixed_state_dict_loads_into_plain_model():

@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import time
@@ -371,9 +372,22 @@ class Checkpointer:
                 f"checkpoint {path} not found on rank {_rank()}; the checkpoint directory "
                 "must be on a filesystem every rank can read"
             ) from None
+        except pickle.UnpicklingError as err:
+            # torch's text suggests weights_only=False: the one thing not to do with a file
+            # that carries code. Say what is in it instead.
+            found = [ln.strip() for ln in str(err).splitlines() if "GLOBAL" in ln or "global" in ln]
+            detail = f" ({found[0]})" if found else ""
+            raise CheckpointError(
+                f"refusing to load checkpoint {path}: it holds Python objects, not only tensors "
+                f"and plain data{detail}; ddpkit loads with weights_only=True so that a "
+                "checkpoint cannot run code"
+            ) from None
         except Exception as err:  # torch raises many types for bad archives
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise CheckpointError(f"cannot load checkpoint {path}: {first}") from None
+            text = str(err).strip() or type(err).__name__
+            first = text.splitlines()[0].split(". ")[0]
+            raise CheckpointError(
+                f"cannot load checkpoint {path}: {first}; the file is damaged or not a checkpoint"
+            ) from None
         if not isinstance(state, dict):
             raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict")
         return state
@@ -396,7 +410,8 @@ class Checkpointer:
         except CheckpointError as err:
             ok, message = False, str(err)
         _agree(ok, message)
-        log.info(f"resuming from {chosen} (step {state.get('step')})")
+        step = state.get("step")
+        log.info(f"resuming from {chosen}" + ("" if step is None else f" (step {step})"))
         return state
 
 
