@@ -113,11 +113,13 @@ def run_equivalence(world, kind, opt_name, steps, per_rank):
     reference = MODELS[kind]().double()
     W, r = world.world_size, world.rank
     ddp = DataParallel(model, bucket_cap_mb=0.002)
-    opt, ref_opt = _optimizer(opt_name, ddp.parameters()), _optimizer(opt_name, reference.parameters())
+    opt = _optimizer(opt_name, ddp.parameters())
+    ref_opt = _optimizer(opt_name, reference.parameters())
     for step in range(steps):
         x, y = _batch(kind, step, per_rank * W, torch.float64)
         opt.zero_grad()
-        F.cross_entropy(ddp(x[r * per_rank:(r + 1) * per_rank]), y[r * per_rank:(r + 1) * per_rank]).backward()
+        mine = slice(r * per_rank, (r + 1) * per_rank)
+        F.cross_entropy(ddp(x[mine]), y[mine]).backward()
         opt.step()
         # reference: the whole batch in one process. BatchNorm normalizes per rank's
         # shard in DDP, so the reference does too (ghost batches of B/W), and keeps the
@@ -189,7 +191,8 @@ def _train_pair(world, kind, steps, *, cap, accumulate, unused, ours_opts):
             opt.step()
         grads_none.append(([p.grad is None for p in ours_model.parameters()],
                            [p.grad is None for p in torch_model.parameters()]))
-    equal = all(torch.equal(a, b) for a, b in zip(ours_model.parameters(), torch_model.parameters()))
+    pairs = zip(ours_model.parameters(), torch_model.parameters())
+    equal = all(torch.equal(a, b) for a, b in pairs)
     return equal, _max_diff(_state(ours_model), _state(torch_model)), grads_none, _state(ours_model)
 
 
