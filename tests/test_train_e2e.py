@@ -21,7 +21,7 @@ def _one_epoch_in_pool(world, cfg_dict):
 @pytest.mark.slow
 def test_ddpkit_train_two_processes_one_epoch(tmp_path, pools):
     out = tmp_path / "runs"
-    argv = ["--epochs", "1", "--seed", "7", "--engine", "torch", "--out-dir", str(out)]
+    argv = ["--epochs", "1", "--seed", "7", "--out-dir", str(out)]  # default engine: ddpkit
     proc = subprocess.run([sys.executable, "-m", "ddpkit.cli", "train", "--nproc-per-node", "2",
                            *argv], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,9 +38,9 @@ def test_ddpkit_train_two_processes_one_epoch(tmp_path, pools):
     assert record["rank_train_samples"] == [719, 719]
     assert 0.5 < record["test_acc"] <= 1 and 0 < record["train_loss"] < 2.31
     assert summary["final_test_acc"] == record["test_acc"] and summary["world_size"] == 2
-    assert summary["epochs"] == 1 and summary["steps"] == 12
+    assert summary["epochs"] == 1 and summary["steps"] == 12 and summary["engine"] == "ddpkit"
     assert "epoch 1/1: train loss" in proc.stderr and "loss by rank [" in proc.stderr
     # The launched run is the same computation as the same config on 2 pooled ranks.
-    cfg = resolve({"epochs": 1, "seed": 7, "engine": "torch", "threads": 1})
+    cfg = resolve({"epochs": 1, "seed": 7, "threads": 1})
     pooled = pools(2).run(_one_epoch_in_pool, cfg.to_dict())
     assert pooled[0] == pytest.approx(record["train_loss"], rel=1e-9)

@@ -48,8 +48,11 @@ CFG = resolve({"engine": "torch", "threads": 1}).to_dict()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_verify_passes_on_a_correct_setup(pools, dtype):
-    result = pools(2).run(_verify, CFG, 12, dtype, None)[0]
+@pytest.mark.parametrize("engine", ["ddpkit", "torch"])
+def test_verify_passes_on_a_correct_setup(pools, dtype, engine):
+    cfg = resolve({"engine": engine, "threads": 1}).to_dict()
+    result = pools(2).run(_verify, cfg, 12, dtype, None)[0]
+    assert result["engine"] == engine
     assert result["passed"], result
     assert result["max_rank_diff"] == 0.0
     assert result["max_abs_diff"] <= result["tolerance"]
@@ -73,7 +76,7 @@ def test_verify_tolerance_scales_with_dtype():
 @pytest.mark.slow
 def test_ddpkit_verify_cli():
     proc = subprocess.run([sys.executable, "-m", "ddpkit.cli", "verify", "--nproc-per-node", "2",
-                           "--steps", "3", "--engine", "torch"],
+                           "--steps", "3"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 ranks vs 1 process, 3 steps" in proc.stdout and proc.stdout.rstrip().endswith("PASS")
