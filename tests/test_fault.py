@@ -207,3 +207,8 @@ def test_check_every_skips_communication_between_checks():
     assert [guard.should_stop(s) for s in (1, 2, 3)] == [False, False, False]
     assert guard.should_stop(4) and guard.stopped_by == signal.SIGUSR1
     assert guard.should_stop(5)  # once agreed, it stays agreed
+
+
+def test_check_every_must_be_positive():
+    with pytest.raises(ValueError, match="check_every must be >= 1, got 0"):
+        PreemptionGuard(check_every=0)
