@@ -91,7 +91,7 @@ def remove_stale(run_id: str) -> list[str]:
 class Segment:
     name: str
     size: int
-    buffer: mmap.mmap
+    buffer: mmap.mmap | None  # None once closed
     linked: bool  # whether the name still exists in /dev/shm
 
     @property
@@ -105,10 +105,13 @@ class Segment:
                 os.unlink(self.path)
 
     def close(self) -> None:
-        """Unmap if no tensor still views the memory; otherwise the last view unmaps it."""
+        """Forget the mapping; it is unmapped when the last tensor viewing it goes.
+
+        Never ``mmap.close()``: torch.frombuffer keeps a reference to the mmap but no
+        buffer export, so closing would unmap memory that live tensors still point at.
+        """
         self.unlink()
-        with contextlib.suppress(BufferError):
-            self.buffer.close()
+        self.buffer = None
 
 
 def _map(fd: int, size: int) -> mmap.mmap:

@@ -64,12 +64,15 @@ class Control:
     def pid(self, rank: int) -> int:
         return int(self.words[rank * LINE_WORDS + PID])
 
-    def publish_meta(self, values: tuple[int, ...]) -> None:
-        base = self.me * LINE_WORDS + META
+    def publish_meta(self, values: tuple[int, ...], slot: int) -> None:
+        """Publish ``values`` in meta slot ``slot``. A caller alternates slots when a
+        peer may still be reading the previous call's values after the barrier."""
+        base = self.me * LINE_WORDS + META + slot * len(values)
+        assert base + len(values) <= (self.me + 1) * LINE_WORDS
         self.words[base:base + len(values)] = values
 
-    def meta(self, rank: int, count: int) -> tuple[int, ...]:
-        base = rank * LINE_WORDS + META
+    def meta(self, rank: int, count: int, slot: int) -> tuple[int, ...]:
+        base = rank * LINE_WORDS + META + slot * count
         return tuple(int(v) for v in self.words[base:base + count])
 
     def barrier(self) -> None:

@@ -1,0 +1,372 @@
+"""Shared-memory all-reduce: results against torch's own collectives, the hierarchical
+variant on faked hosts, the comm hook in training, and the segment life cycle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddpkit.comm import ops, shm_segment
+from ddpkit.errors import CommError
+
+SIZES = (0, 1, 7, 1000, 40_001)  # empty, one, not divisible by W, small path, slotted path
+SLOT_MB = 0.02  # tiny slots: tensors above SMALL_BYTES go through them in many pieces
+
+
+def _segments(run: str) -> list[str]:
+    return [n for n in os.listdir(shm_segment.SHM_DIR) if n.startswith(shm_segment.run_prefix(run))]
+
+
+def _input(rank: int, numel: int, dtype: torch.dtype, op: str, shape_seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + shape_seed)
+    if dtype.is_floating_point:
+        # products of a few values near 1 stay finite even in float16
+        base = 1 + 0.1 * torch.randn(numel, generator=g) if op == "product" else torch.randn(
+            numel, generator=g)
+        return base.to(dtype)
+    high = 4 if op == "product" else 120
+    return torch.randint(0, high, (numel,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> bool:
+    if not a.dtype.is_floating_point or op in ("min", "max"):
+        return torch.equal(a, b)
+    if world_size == 2 and op in ("sum", "avg"):  # a + b == b + a exactly
+        return torch.equal(a, b)
+    tol = {torch.float16: 1e-2, torch.bfloat16: 4e-2}.get(a.dtype, 1e-5)
+    return torch.allclose(a.double(), b.double(), rtol=tol, atol=tol)
+
+
+def grid_vs_torch(world, sizes) -> tuple[int, list]:
+    from ddpkit.comm.shm import ShmCommunicator
+
+    checks, failures = 0, []
+    with ShmCommunicator(slot_mb=SLOT_MB, timeout=60) as comm:
+        for dtype in ops.DTYPES:
+            # one allocation per dtype, reduced through slices: allocating is a collective
+            buffer = comm.allocate(max(sizes), dtype)
+            for op in ops.OPS:
+                try:
+                    ops.check_op(op, dtype)
+                except CommError:
+                    continue
+                for numel in sizes:
+                    x = _input(world.rank, numel, dtype, op, numel)
+                    expected = x.clone()
+                    dist.all_reduce(expected, ops.TO_REDUCE_OP["sum" if op == "avg" else op])
+                    if op == "avg":
+                        expected = expected / world.world_size
+                    private = x.clone()
+                    comm.all_reduce(private, op)
+                    shared = buffer[:numel]
+                    shared.copy_(x)
+                    comm.all_reduce(shared, op)
+                    for path, got in (("private", private), ("allocated", shared)):
+                        checks += 1
+                        if not _close(got, expected, world.world_size, op):
+                            failures.append((str(dtype), op, numel, path))
+    return checks, failures
+
+
+@pytest.mark.parametrize(("world_size", "sizes"), [(2, SIZES), (3, (0, 7, 40_001))])
+def test_every_dtype_op_and_size_matches_torch(pools, world_size, sizes):
+    results = pools(world_size).run(grid_vs_torch, sizes)
+    for checks, failures in results:
+        assert checks > 100
+        assert failures == []
+
+
+def shapes_and_views(world) -> list[bool]:
+    from ddpkit.comm.shm import ShmCommunicator
+
+    out = []
+    with ShmCommunicator(slot_mb=SLOT_MB) as comm:
+        matrix = torch.arange(12.0).reshape(3, 4) * (world.rank + 1)
+        expected = torch.arange(12.0).reshape(3, 4) * sum(r + 1 for r in range(world.world_size))
+        transposed = matrix.t()  # not contiguous: reduced through a copy, written back
+        comm.all_reduce(transposed)
+        out.append(torch.equal(matrix, expected))
+        scalar = torch.tensor(float(world.rank))
+        comm.all_reduce(scalar, dist.ReduceOp.MAX)  # torch's op enum is accepted too
+        out.append(scalar.item() == world.world_size - 1)
+        bucket = comm.allocate(100, torch.float32)
+        bucket.fill_(world.rank)
+        comm.all_reduce(bucket[10:30], "sum")  # a slice of an allocation is reduced in place
+        out.append(bool((bucket[10:30] == sum(range(world.world_size))).all()))
+        out.append(bool((bucket[:10] == world.rank).all() and (bucket[30:] == world.rank).all()))
+    return out
+
+
+def test_shapes_views_and_slices(pools):
+    for flags in pools(2).run(shapes_and_views):
+        assert flags == [True, True, True, True]
+
+
+def mismatched_calls(world) -> list[str]:
+    from ddpkit.comm.shm import ShmCommunicator
+
+    messages = []
+    with ShmCommunicator(timeout=60) as comm:
+        for numel in (10 + world.rank, 50_000 + world.rank):  # small path, slotted path
+            try:
+                comm.all_reduce(torch.ones(numel))
+            except CommError as exc:
+                messages.append(str(exc))
+        after = torch.ones(5)  # the communicator is still in step after the error
+        comm.all_reduce(after)
+        messages.append(after.tolist())
+    return messages
+
+
+def test_ranks_disagreeing_on_the_call_get_an_error_not_a_hang(pools):
+    for messages in pools(2).run(mismatched_calls):
+        assert len(messages) == 3
+        assert all("called shm all_reduce differently" in m for m in messages[:2])
+        assert messages[2] == [2.0] * 5
+
+
+def hierarchical(world, run) -> dict:
+    from ddpkit.comm.shm import ShmCommunicator
+
+    host = f"fake-host-{world.rank // 2}"  # ranks 0,1 on one "host", 2,3 on another
+    out = {}
+    with ShmCommunicator(host_id=host, slot_mb=SLOT_MB, run=run) as comm:
+        out["hosts"] = comm.nhosts
+        out["local"] = comm.local_size
+        ok = []
+        for op, dtype in (("sum", torch.float64), ("avg", torch.float32), ("max", torch.int64),
+                          ("bxor", torch.int32), ("product", torch.float64)):
+            buffer = comm.allocate(40_001, dtype)
+            for numel in (0, 7, 40_001):
+                x = _input(world.rank, numel, dtype, op, numel)
+                expected = x.clone()
+                dist.all_reduce(expected, ops.TO_REDUCE_OP["sum" if op == "avg" else op])
+                if op == "avg":
+                    expected = expected / world.world_size
+                private = x.clone()
+                comm.all_reduce(private, op)
+                shared = buffer[:numel]
+                shared.copy_(x)
+                comm.all_reduce(shared, op)
+                ok.append(_close(private, expected, 4, op) and _close(shared, expected, 4, op))
+        out["ok"] = ok
+    return out
+
+
+def test_hierarchical_across_fake_hosts_matches_torch(pools):
+    for result in pools(4).run(hierarchical, f"t{uuid.uuid4().hex[:8]}"):
+        assert result["hosts"] == 2 and result["local"] == 2
+        assert len(result["ok"]) == 15 and all(result["ok"])
+
+
+# ---------------------------------------------------------------- registry face, hook
+
+
+def registry_functions(world) -> list:
+    from ddpkit.comm import shm
+
+    x = torch.full((1000,), float(world.rank + 1))
+    shm.all_reduce(x, "avg")
+    cpu_ok = shm.supports(torch.ones(3))
+    return [x[0].item(), cpu_ok, shm.communicator() is not None]
+
+
+def test_module_level_all_reduce_and_supports(pools):
+    for mean, supported, has_comm in pools(2).run(registry_functions):
+        assert mean == 1.5 and supported and has_comm
+
+
+def hook_training(world, steps) -> list[float]:
+    """torch DDP with the shm hook against torch DDP with its own all-reduce: the same
+    parameters after a few steps of SGD, and identical across ranks."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddpkit.comm.shm_hook import ShmState, shm_hook
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(), torch.nn.Linear(64, 3))
+
+    reference, ours = DDP(make()), DDP(make(), bucket_cap_mb=0.005)  # several buckets
+    state = ShmState(slot_mb=SLOT_MB)
+    ours.register_comm_hook(state, shm_hook)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, ours)]
+    g = torch.Generator().manual_seed(world.rank)
+    for _ in range(steps):
+        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 3, (16,), generator=g)
+        for model, opt in zip((reference, ours), opts):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    state.close()
+    diff = max((a - b).abs().max().item()
+               for a, b in zip(reference.parameters(), ours.parameters()))
+    flat = torch.cat([p.detach().flatten() for p in ours.parameters()])
+    spread = flat.clone()
+    dist.all_reduce(spread, dist.ReduceOp.MAX)
+    return [diff, (spread - flat).abs().max().item()]
+
+
+def test_shm_hook_trains_like_torch_ddp(pools):
+    for diff, spread in pools(2).run(hook_training, 5):
+        assert diff < 1e-5  # same math, summation order may differ in the last bit
+        assert spread == 0.0  # every rank holds bit-identical parameters
+
+
+def state_allocates_shared_buckets(world) -> list:
+    from ddpkit.comm.shm_hook import ShmState, shm_hook
+
+    state = ShmState()
+    bucket_storage = state.allocate(1000, torch.float32, "cpu")
+    in_shm = state.communicator._find(bucket_storage) is not None
+
+    class Bucket:  # what the engine hands a hook (torch's GradBucket interface)
+        def buffer(self):
+            return bucket_storage
+
+    bucket_storage.fill_(float(world.rank))
+    result = shm_hook(state, Bucket()).wait()
+    state.close()
+    return [in_shm, result.data_ptr() == bucket_storage.data_ptr(), result[0].item()]
+
+
+def test_state_allocates_buckets_in_shared_memory(pools):
+    for in_shm, same_storage, mean in pools(2).run(state_allocates_shared_buckets):
+        assert in_shm and same_storage and mean == 0.5
+
+
+# ---------------------------------------------------------------- life cycle
+
+
+def create_then_report(world, run) -> list:
+    from ddpkit.comm.shm import ShmCommunicator
+
+    comm = ShmCommunicator(run=run)
+    comm.allocate(10_000, torch.float32)
+    dist.barrier()  # the leader unlinks just after its peers attached: let it finish
+    left_while_open = _segments(run)
+    comm.close()
+    return [left_while_open, _segments(run)]
+
+
+def test_segments_are_unlinked_once_everyone_attached(pools):
+    run = f"t{uuid.uuid4().hex[:8]}"
+    for while_open, after_close in pools(2).run(create_then_report, run):
+        assert while_open == [] and after_close == []
+
+
+def too_big(world, run) -> list:
+    from ddpkit.comm.shm import ShmCommunicator
+
+    free = os.statvfs(shm_segment.SHM_DIR)
+    slot_mb = 4 * free.f_bavail * free.f_frsize / 2**20  # more than /dev/shm has
+    try:
+        ShmCommunicator(slot_mb=slot_mb, run=run)
+        error = ""
+    except CommError as exc:
+        error = str(exc)
+    # The hook's state falls back to the backend and training goes on.
+    from ddpkit.comm.shm_hook import ShmState
+
+    state = ShmState(slot_mb=slot_mb, run=run)
+    x = torch.full((10,), float(world.rank))
+    state.all_reduce(x, "sum")
+    fell_back = state.communicator is None
+    return [error, fell_back, x[0].item(), _segments(run)]
+
+
+def test_too_little_shared_memory_is_a_clear_error_or_a_fallback(pools):
+    run = f"t{uuid.uuid4().hex[:8]}"
+    for error, fell_back, value, left in pools(2).run(too_big, run):
+        assert "cannot reserve" in error and "--shm-size" in error
+        assert fell_back and value == 1.0
+        assert left == []
+
+
+def attach_fails(world, run) -> list:
+    from ddpkit.comm import shm
+
+    real = shm.segment.attach
+
+    def broken(name, size):
+        raise OSError("simulated: no such segment")
+
+    shm.segment.attach = broken
+    try:
+        shm.ShmCommunicator(run=run)
+        error = ""
+    except CommError as exc:
+        error = str(exc)
+    finally:
+        shm.segment.attach = real
+    return [error, _segments(run)]
+
+
+def test_failed_attach_raises_on_every_rank_and_leaves_nothing(pools):
+    run = f"t{uuid.uuid4().hex[:8]}"
+    for error, left in pools(2).run(attach_fails, run):
+        assert "could not attach" in error
+        assert left == []
+
+
+_CREATE_AND_HANG = """
+import sys, time
+from ddpkit.comm import shm_segment as s
+seg = s.create(s.new_name(sys.argv[1], "ctl"), 1 << 20)
+print(seg.name, flush=True)
+time.sleep(600)
+"""
+
+
+def restart_cleans(world, run) -> list:
+    from ddpkit.comm.shm import ShmCommunicator
+
+    with ShmCommunicator(run=run):
+        return _segments(run)
+
+
+def test_segment_of_a_killed_rank_is_removed_at_restart(pools):
+    run = f"t{uuid.uuid4().hex[:8]}"
+    # A leader killed between creating a segment and its peers attaching leaves a file.
+    child = subprocess.Popen([sys.executable, "-c", _CREATE_AND_HANG, run],
+                             stdout=subprocess.PIPE, text=True)
+    killed_name = child.stdout.readline().strip()
+    # A live process's segment of the same run must survive the cleanup.
+    live = shm_segment.create(shm_segment.new_name(run, "ctl"), 4096)
+    try:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        child.stdout.close()
+        assert killed_name in _segments(run)
+        remaining = pools(2).run(restart_cleans, run)
+        assert killed_name not in os.listdir(shm_segment.SHM_DIR)
+        assert remaining[0] == [live.name] == remaining[1]
+    finally:
+        live.close()
+    assert _segments(run) == []
+
+
+def test_waiting_for_a_dead_or_stuck_peer_raises():
+    from ddpkit.comm.shm_sync import Control, block_bytes
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    buffer = bytearray(block_bytes(2))
+    ctl = Control(buffer, 2, 0, timeout=60, labels=["rank 0", "rank 1"])
+    ctl.words[1 * 16 + 1] = dead.pid  # the peer's pid word
+    start = time.monotonic()
+    with pytest.raises(CommError, match="rank 1 .* exited"):
+        ctl.barrier()
+    assert time.monotonic() - start < 10
+    ctl = Control(buffer, 2, 0, timeout=0.3, labels=["rank 0", "rank 1"])
+    ctl.words[1 * 16 + 1] = os.getpid()  # alive, but never arrives
+    with pytest.raises(CommError, match="did not reach"):
+        ctl.barrier()
