@@ -23,12 +23,22 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.comm import ops
 from ddpkit.comm.groups import GroupView, view
+
+
+@dataclass(frozen=True)
+class Step:
+    """One ring step as seen by the receiving rank: where the incoming chunk goes."""
+
+    out: torch.Tensor
+    base: torch.Tensor | None = None  # reduce into out = base (op) received; None: out
+    reduce: bool = False
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -91,69 +101,74 @@ class RingAlgorithm:
             cache[key] = bufs
         return [b[:numel] for b in bufs]
 
-    # -- the two ring phases -----------------------------------------------------------
+    # -- the pipelined ring -------------------------------------------------------------
 
-    def _step(
+    def _ring(
         self,
         g: GroupView,
-        send: list[torch.Tensor],
-        recv: list[torch.Tensor],
-        reduce_with: ops.Kernel | None,
-        base: list[torch.Tensor] | None = None,
+        first_send: torch.Tensor,
+        steps: list[Step],
+        kern: ops.Kernel | None,
     ) -> None:
-        """Send ``send`` segments right while receiving ``recv`` segments from the left.
+        """Run ``steps`` around the ring as one pipeline.
 
-        With ``reduce_with``, each received segment lands in a scratch buffer and
-        ``recv[k] = base[k] (op) received`` (``base`` defaults to ``recv``: in place);
-        otherwise it lands in ``recv[k]`` directly.
+        Step t receives ``steps[t].out`` from the left (reducing ``out = base (op) got``
+        when ``steps[t].reduce``) and sends to the right what step t-1 received
+        (``first_send`` at t = 0). A segment is forwarded the moment it lands, so step
+        t+1 starts while step t is still arriving: no drain between steps, and the
+        all-gather overlaps the reduce-scatter's tail.
+
+        Receives are posted in the order the left neighbour sends (step-major, then
+        segment), which is all that p2p matching relies on. Receives that land in
+        scratch (the reducing ones) are limited to ``in_flight`` at a time; direct ones
+        are posted as soon as their turn comes, so the sender is never held up by
+        this rank's Python loop.
         """
-        depth = self.in_flight
-        scratch = None
-        if reduce_with is not None and recv:
-            scratch = self._buffers(recv[0], max(s.numel() for s in recv), depth)
-        base = base or recv
-        pending: deque = deque()
-        sends = []
-        for k in range(max(len(send), len(recv))):
-            # Post the receive before the send so the peer's data has a home when it arrives.
-            if k < len(recv):
-                got = recv[k] if scratch is None else scratch[k % depth][: recv[k].numel()]
-                pending.append((dist.irecv(got, g.left, group=g.group), got, recv[k], base[k]))
-            if k < len(send):
-                sends.append(dist.isend(send[k], g.right, group=g.group))
-            while len(pending) >= depth:
-                self._land(pending.popleft(), reduce_with)
-        while pending:
-            self._land(pending.popleft(), reduce_with)
+        segs = [self.segments(st.out) for st in steps]
+        bases = [self.segments(st.base) if st.base is not None else seg for st, seg in
+                 zip(steps, segs)]
+        order = [(t, k) for t in range(len(steps)) for k in range(len(segs[t]))]
+        widest = max((x.numel() for t, _ in order if steps[t].reduce for x in segs[t]),
+                     default=0)
+        scratch = self._buffers(first_send, widest, self.in_flight) if widest else []
+        free = deque(range(len(scratch)))
+        posted: deque = deque()
+        sending: dict[int, object] = {}  # segment address -> its unfinished send
+        sends = [dist.isend(x, g.right, group=g.group) for x in self.segments(first_send)]
+        cursor = 0
+
+        def post_ahead() -> None:
+            nonlocal cursor
+            while cursor < len(order):
+                t, k = order[cursor]
+                if steps[t].reduce:
+                    if not free:
+                        return
+                    slot = free.popleft()
+                    buf = scratch[slot][: segs[t][k].numel()]
+                else:
+                    slot, buf = None, segs[t][k]
+                posted.append((dist.irecv(buf, g.left, group=g.group), buf, slot))
+                cursor += 1
+
+        post_ahead()
+        for t, k in order:
+            work, got, slot = posted.popleft()
+            work.wait()
+            out = segs[t][k]
+            if slot is not None:
+                pending = sending.pop(out.data_ptr(), None)
+                if pending is not None:  # never overwrite bytes still being sent
+                    pending.wait()
+                kern(out, bases[t][k], got)
+                free.append(slot)
+            if t + 1 < len(steps):
+                work = dist.isend(out, g.right, group=g.group)
+                sends.append(work)
+                sending[out.data_ptr()] = work
+            post_ahead()
         for work in sends:
             work.wait()
-
-    @staticmethod
-    def _land(item, reduce_with: ops.Kernel | None) -> None:
-        work, got, out, base = item
-        work.wait()
-        if reduce_with is not None:
-            reduce_with(out, base, got)
-
-    def _reduce_scatter_chunks(self, g: GroupView, chunks: list[torch.Tensor], op: str) -> int:
-        """Reduce in place so this rank ends up owning the full reduction of one chunk.
-
-        Returns the index of that chunk, ``(rank + 1) % size``.
-        """
-        p, r, kern = g.size, g.rank, ops.kernel(op)
-        for s in range(p - 1):
-            send = self.segments(chunks[(r - s) % p])
-            recv = self.segments(chunks[(r - s - 1) % p])
-            self._step(g, send, recv, kern)
-        return (r + 1) % p
-
-    def _all_gather_chunks(self, g: GroupView, chunks: list[torch.Tensor], owned: int) -> None:
-        """Circulate each rank's complete chunk (``owned`` is this rank's) to everyone."""
-        p = g.size
-        for s in range(p - 1):
-            send = self.segments(chunks[(owned - s) % p])
-            recv = self.segments(chunks[(owned - s - 1) % p])
-            self._step(g, send, recv, None)
 
     # -- collectives --------------------------------------------------------------------
     # The public layer (ddpkit.comm.collectives) hands these 1-D contiguous tensors,
@@ -161,34 +176,39 @@ class RingAlgorithm:
 
     def all_reduce(self, tensor: torch.Tensor, op: str, group=None) -> None:
         g = view(group)
-        chunks = [tensor[a:b] for a, b in split(tensor.numel(), g.size)]
-        owned = self._reduce_scatter_chunks(g, chunks, op)
-        self._all_gather_chunks(g, chunks, owned)
+        p, r = g.size, g.rank
+        chunks = [tensor[a:b] for a, b in split(tensor.numel(), p)]
+        # Reduce-scatter: step t reduces chunk r-t-1 into place; afterwards this rank
+        # holds the complete chunk r+1. All-gather: step a receives chunk r-a.
+        steps = [Step(chunks[(r - t - 1) % p], reduce=True) for t in range(p - 1)]
+        steps += [Step(chunks[(r - a) % p]) for a in range(p - 1)]
+        self._ring(g, chunks[r], steps, ops.kernel(op))
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, op: str, group=None
     ) -> None:
-        g = view(group)
-        # The caller's input must survive, so partial sums go to two staging blocks
+        # The caller's input must survive, so partial sums go to staging blocks
         # (out = own block (op) received) instead of into the input; the schedule is
         # all_reduce's shifted by one so the last block reduced here is this rank's own.
-        p, r, kern = g.size, g.rank, ops.kernel(op)
+        g = view(group)
+        p, r = g.size, g.rank
         m = output.numel()
         blocks = [input[i * m : (i + 1) * m] for i in range(p)]
         stage = [torch.empty_like(output) for _ in range(min(2, p - 2))]
-        sending = blocks[(r - 1) % p]
-        for s in range(p - 1):
-            out = output if s == p - 2 else stage[s % 2]
-            own = blocks[(r - s - 2) % p]
-            self._step(g, self.segments(sending), self.segments(out), kern, self.segments(own))
-            sending = out
+        steps = [
+            Step(output if t == p - 2 else stage[t % 2], base=blocks[(r - t - 2) % p],
+                 reduce=True)
+            for t in range(p - 1)
+        ]
+        self._ring(g, blocks[(r - 1) % p], steps, ops.kernel(op))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, group=None) -> None:
         g = view(group)
         m = input.numel()
         chunks = [output[i * m : (i + 1) * m] for i in range(g.size)]
         chunks[g.rank].copy_(input)
-        self._all_gather_chunks(g, chunks, g.rank)
+        steps = [Step(chunks[(g.rank - s - 1) % g.size]) for s in range(g.size - 1)]
+        self._ring(g, chunks[g.rank], steps, None)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group=None) -> None:
         """A pipelined chain src -> src+1 -> ...: each rank forwards a segment as soon as

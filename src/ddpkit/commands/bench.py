@@ -1,0 +1,96 @@
+"""``ddpkit bench <what>``: benchmarks that print a table and write CSV/JSON/PNG.
+
+``bench collectives`` lives here. Other benchmarks plug in without editing this file:
+a module ``ddpkit.commands.bench_<name>`` (for a name in BENCHES) exposing
+``register(bench_subparsers)`` is picked up when it exists, like top-level commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+from ddpkit.errors import ConfigError
+
+# Order here is the order in `ddpkit bench --help`; missing modules are skipped.
+BENCHES = ("collectives", "ddp", "shm", "train")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks: collectives bus bandwidth, ...")
+    bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
+    for name in BENCHES:
+        if name == "collectives":
+            _register_collectives(bench_sub)
+            continue
+        try:
+            module = importlib.import_module(f"ddpkit.commands.bench_{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"ddpkit.commands.bench_{name}":
+                raise
+            continue
+        module.register(bench_sub)
+
+
+def _register_collectives(bench_sub) -> None:
+    p = bench_sub.add_parser(
+        "collectives",
+        help="bus bandwidth of ddpkit.comm algorithms side by side (nccl-tests style)",
+        description="Spawn N local ranks and time one collective over a sweep of sizes for "
+        "each algorithm, alternating algorithms so noise hits all alike. Prints a table "
+        "(bytes, elements, time, algbw, busbw) and writes CSV, JSON and a PNG plot.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn on this machine")
+    p.add_argument("--op", default="all_reduce",
+                   help="all_reduce, reduce_scatter, all_gather, broadcast or reduce")
+    p.add_argument("--algo", default="ring,backend",
+                   help="comma-separated algorithms (any registered name, e.g. ring, "
+                        "naive_ring, backend, shm, auto)")
+    p.add_argument("--sizes", default="1K:256M",
+                   help="MIN:MAX (powers of two), MIN:MAX:FACTOR, or a list 1K,16M")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds per size")
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds per size (median)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per rank (default: cores / nproc)")
+    p.add_argument("--out-dir", default=None,
+                   help="where CSV/JSON/PNG go (default: runs/bench-collectives-<time>)")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip comparing each algorithm's result with torch's before timing")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.set_defaults(func=run_collectives)
+
+
+def run_collectives(args) -> int:
+    from ddpkit.comm import bench
+
+    algos = tuple(a.strip() for a in args.algo.split(",") if a.strip())
+    cfg = bench.BenchConfig(
+        op=args.op, algos=algos, sizes=tuple(bench.parse_sizes(args.sizes)), dtype=args.dtype,
+        nproc=args.nproc, warmup=args.warmup, repeats=args.repeats, check=not args.no_check,
+        threads=args.threads,
+    )
+    bench.validate(cfg)
+    out_dir = args.out_dir or _fresh_dir(os.path.join("runs", "bench-collectives"))
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError("--threads must be >= 1")
+    print(f"ddpkit bench collectives: {cfg.op} on {cfg.nproc} ranks, algorithms "
+          f"{', '.join(algos)}, {len(cfg.sizes)} sizes; progress below", file=sys.stderr)
+    result = bench.run(cfg)
+    print(bench.format_table(result))
+    paths = bench.write_outputs(result, out_dir, plot=not args.no_plot)
+    print(f"# wrote {', '.join(paths)}")
+    return 0
+
+
+def _fresh_dir(prefix: str) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = f"{prefix}-{stamp}", 1
+    while os.path.exists(path):
+        n += 1
+        path = f"{prefix}-{stamp}-{n}"
+    return path
