@@ -342,3 +342,20 @@ def _save_only(world, directory):
     ckpt.save(collect_state(model=Net(), step=1), step=1)
     return ckpt.latest().step
 
+
+
+def test_cadence_by_steps_and_by_time(monkeypatch):
+    from ddpkit.checkpoint import Cadence
+
+    by_steps = Cadence(every_steps=3)
+    assert [s for s in range(10) if by_steps.due(s)] == [3, 6, 9]
+    clock = [100.0]
+    monkeypatch.setattr("ddpkit.checkpoint.time.monotonic", lambda: clock[0])
+    by_time = Cadence(every_seconds=60)
+    assert not by_time.due(1)
+    clock[0] += 61
+    assert by_time.due(2)
+    by_time.saved()
+    assert not by_time.due(3)
+    with pytest.raises(CheckpointError, match="every_steps must be >= 1"):
+        Cadence(every_steps=0)

@@ -212,3 +212,16 @@ def test_check_every_skips_communication_between_checks():
 def test_check_every_must_be_positive():
     with pytest.raises(ValueError, match="check_every must be >= 1, got 0"):
         PreemptionGuard(check_every=0)
+
+
+def _save_due_on_one_rank(world):
+    with PreemptionGuard() as guard:
+        decisions = [guard.check(step, save_due=(world.rank == 1 and step == 2))
+                     for step in range(4)]
+    return decisions
+
+
+def test_a_save_due_on_one_rank_is_agreed_by_all(pools):
+    results = pools(2).run(_save_due_on_one_rank)
+    expected = [(False, False), (False, False), (False, True), (False, False)]
+    assert results == [expected, expected]

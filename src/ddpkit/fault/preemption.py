@@ -103,23 +103,34 @@ class PreemptionGuard:
         With ``check_every=N`` and a ``step``, only steps divisible by N communicate (a
         tiny all-reduce costs a network round trip; on slow links, check less often).
         """
+        return self.check(step)[0]
+
+    def check(self, step: int | None = None, *, save_due: bool = False) -> tuple[bool, bool]:
+        """Collective: ``(stop, save)`` agreed by every rank in one all-reduce.
+
+        ``save_due``: this rank thinks a checkpoint is due (e.g. a time-based cadence
+        read from its own clock); if any rank does, every rank gets ``save=True``, so a
+        time-based cadence cannot split the ranks. On a step that ``check_every`` skips
+        nothing is exchanged and ``(False, False)`` comes back (unless already stopped).
+        """
         if self.stopped_by is not None:
-            return True
+            return True, False
         if step is not None and step % self.check_every:
-            return False
+            return False, False
         local = 0 if self._received is None else int(self._received)
         if not (dist.is_available() and dist.is_initialized()):
-            agreed = local
+            agreed, save = local, bool(save_due)
         else:
-            # MAX of the signal numbers: any rank's signal stops all, and the value says which.
-            flag = torch.tensor([local], dtype=torch.int32, device=self._flag_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            agreed = int(flag.item())
-        if agreed and self.stopped_by is None:
+            # MAX: any rank's signal stops all, and the value says which signal it was.
+            flags = torch.tensor([local, int(save_due)], dtype=torch.int32,
+                                 device=self._flag_device())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            agreed, save = int(flags[0].item()), bool(flags[1].item())
+        if agreed:
             self.stopped_by = agreed
             who = "this rank" if local else "another rank"
             log.warning(
                 f"preemption: {signal.Signals(agreed).name} received by {who}; "
                 "stopping at this step boundary",
             )
-        return bool(agreed)
+        return bool(agreed), save
