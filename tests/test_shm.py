@@ -370,3 +370,71 @@ def test_waiting_for_a_dead_or_stuck_peer_raises():
     ctl.words[1 * 16 + 1] = os.getpid()  # alive, but never arrives
     with pytest.raises(CommError, match="did not reach"):
         ctl.barrier()
+
+
+# ---------------------------------------------------------------- integration
+
+
+def through_ddpkit_comm(world) -> list:
+    import ddpkit.comm as comm
+    from ddpkit.comm import registry
+
+    x = torch.arange(10_000, dtype=torch.float32) * (world.rank + 1)
+    expected = x.clone()
+    dist.all_reduce(expected)
+    via_shm = x.clone()
+    comm.all_reduce(via_shm, algo="shm")
+    via_auto = x.clone()
+    comm.all_reduce(via_auto, op="avg", algo="auto")
+    picked = registry.resolve("auto", x, None)[0]
+    handle = comm.all_reduce(x, algo="shm", async_op=True)  # runs on a companion group
+    handle.wait()
+    return [torch.equal(via_shm, expected), torch.equal(via_auto, expected / world.world_size),
+            picked, "shm" in comm.algorithms(), torch.equal(x, expected)]
+
+
+def test_registered_as_algorithm_and_first_choice_of_auto(pools):
+    for same, avg_same, picked, listed, async_same in pools(2).run(through_ddpkit_comm):
+        assert same and avg_same and listed and async_same
+        assert picked == "shm"
+
+
+def ddpkit_engine_training(world, steps) -> dict:
+    """ddpkit.DataParallel with buckets allocated in shared memory and the shm hook,
+    against the same engine with its default all-reduce."""
+    import ddpkit
+    from ddpkit.comm.shm_hook import ShmState, shm_hook
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(),
+                                   torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+
+    state = ShmState(slot_mb=SLOT_MB)
+    reference = ddpkit.DataParallel(make(), bucket_cap_mb=0.01)
+    ours = ddpkit.DataParallel(make(), bucket_cap_mb=0.01, comm_hook=shm_hook, comm_state=state)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (reference, ours)]
+    g = torch.Generator().manual_seed(world.rank)
+    grads_in_shm = []
+    for _ in range(steps):
+        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 3, (16,), generator=g)
+        for model, opt in zip((reference, ours), opts):
+            opt.zero_grad(set_to_none=False)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        grads_in_shm.append(all(state.communicator._find(p.grad.view(-1)) is not None
+                                for p in ours.parameters()))
+    diff = max((a - b).abs().max().item()
+               for a, b in zip(reference.parameters(), ours.parameters()))
+    flat = torch.cat([p.detach().flatten() for p in ours.parameters()])
+    spread = flat.clone()
+    dist.all_reduce(spread, dist.ReduceOp.MAX)
+    state.close()
+    return {"diff": diff, "spread": (spread - flat).abs().max().item(), "in_shm": grads_in_shm}
+
+
+def test_dataparallel_with_shared_buckets_trains_like_the_default_engine(pools):
+    for result in pools(2).run(ddpkit_engine_training, 4):
+        assert result["diff"] < 1e-5
+        assert result["spread"] == 0.0
+        assert result["in_shm"][-1]  # gradients land in shared memory, no copy in

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -73,10 +74,20 @@ def run_id() -> str:
 
 @dataclass
 class _Allocation:
-    seg: segment.Segment
+    """Where one allocate() result lives. Only a weak reference to the mapping: when the
+    caller drops the tensor (DataParallel rebuilding its buckets) the memory goes too."""
+
+    mapping: weakref.ref
     region_bytes: int
-    regions: list[torch.Tensor]  # uint8 view of every local rank's region
     base: int  # data_ptr of this rank's region
+
+    def regions(self, nranks: int) -> list[torch.Tensor] | None:
+        mapping = self.mapping()
+        if mapping is None:
+            return None
+        whole = torch.frombuffer(mapping, dtype=torch.uint8)
+        size = self.region_bytes
+        return [whole[r * size:(r + 1) * size] for r in range(nranks)]
 
 
 def _chunk_bounds(numel: int, itemsize: int, parts: int) -> list[int]:
@@ -114,7 +125,10 @@ class ShmCommunicator:
         self.run = run or run_id()
         self.timeout = float(timeout)
         self.slot_bytes = segment.round_up(max(int(slot_mb * 2**20), segment.PAGE))
-        self._allocs: list[_Allocation] = []
+        # allocation number -> where it lives; numbers agree across ranks because every
+        # rank allocates in the same order, so they can be checked in each call's meta
+        self._allocs: dict[int, _Allocation] = {}
+        self._allocated = 0
         self._closed = False
 
         hosts: dict[str, list[int]] = {}
@@ -229,18 +243,19 @@ class ShmCommunicator:
         region = segment.round_up(max(numel * itemsize, 1))
         seg = self._shared("buf", region * self.local_size)
         whole = torch.frombuffer(seg.buffer, dtype=torch.uint8)
-        regions = [whole[r * region:(r + 1) * region] for r in range(self.local_size)]
-        self._allocs.append(_Allocation(seg, region, regions, regions[self.me].data_ptr()))
-        return regions[self.me][: numel * itemsize].view(dtype)
+        mine = whole[self.me * region:(self.me + 1) * region]
+        self._allocs = {k: a for k, a in self._allocs.items() if a.mapping() is not None}
+        self._allocs[self._allocated] = _Allocation(weakref.ref(seg.buffer), region,
+                                                    mine.data_ptr())
+        self._allocated += 1
+        return mine[: numel * itemsize].view(dtype)
 
     def close(self) -> None:
         """Release this rank's mappings (memory stays until tensors from allocate() go)."""
         if self._closed:
             return
         self._closed = True
-        for alloc in self._allocs:
-            alloc.seg.close()
-        self._allocs.clear()
+        self._allocs.clear()  # tensors from allocate() keep their memory until dropped
         self._slots.clear()
         self._ctl_seg.close()
         if self.leaders is not None:
@@ -259,44 +274,62 @@ class ShmCommunicator:
 
     # ------------------------------------------------------------------ all-reduce
 
-    def all_reduce(self, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum") -> torch.Tensor:
-        """Reduce ``tensor`` in place across the group; returns it."""
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", *, divisor: int | None = None
+    ) -> torch.Tensor:
+        """Reduce ``tensor`` in place across the group; returns it.
+
+        ``divisor`` divides a sum by a count of your choice (DataParallel's join divides
+        by the ranks still training); "avg" is a sum with ``divisor`` = group size. On one
+        host the division happens inside the reduction pass, not as another pass.
+        """
         self._check_open()
         name = ops.op_name(op)
         ops.check_op(name, tensor.dtype)
         if tensor.device.type != "cpu":
             raise CommError(f"shm all_reduce needs a CPU tensor, got one on {tensor.device}")
+        if name == "avg" and divisor is None:
+            divisor = self.view.size
+        if divisor is not None and (name not in ("sum", "avg") or not tensor.is_floating_point()):
+            raise CommError(f"divisor= needs op 'sum' or 'avg' on a floating tensor, got {name!r} "
+                            f"on {tensor.dtype}")
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
         local_op = "sum" if name == "avg" else name
-        # With one host the average's division happens during the reduction pass.
-        divisor = self.view.size if name == "avg" and self.nhosts == 1 else None
+        in_pass = divisor if self.nhosts == 1 and divisor != 1 else None
         where = self._find(flat)
         # (numel, dtype and op, buffer, offset): what every local rank must agree on
         meta = (flat.numel(), ops.DTYPES.index(flat.dtype) * 16 + ops.OPS.index(name),
                 -1 if where is None else where[0], -1 if where is None else where[1])
         if where is None and flat.numel() * flat.element_size() <= SMALL_BYTES:
-            self._reduce_small(flat, local_op, divisor, meta)
+            self._reduce_small(flat, local_op, in_pass, meta)
         elif where is None:
-            self._reduce_through_slots(flat, local_op, divisor, meta)
+            self._reduce_through_slots(flat, local_op, in_pass, meta)
         else:
-            self._reduce_in_place(flat, where, local_op, divisor, meta)
+            self._reduce_in_place(flat, where, local_op, in_pass, meta)
         if self.nhosts > 1:
             if self.leaders is not None and flat.numel():
                 dist.all_reduce(flat, ops.TO_REDUCE_OP[local_op], group=self.leaders)
             self._broadcast_from_leader(flat, where)
-            if name == "avg":
-                flat.div_(self.view.size)
+            if divisor is not None and divisor != 1:
+                flat.div_(divisor)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
 
     def _find(self, flat: torch.Tensor) -> tuple[int, int] | None:
-        """(allocation index, byte offset) when ``flat`` lies in memory we allocated."""
+        """(allocation number, byte offset) when ``flat`` lies in memory we allocated."""
         ptr, nbytes = flat.data_ptr(), flat.numel() * flat.element_size()
-        for index, alloc in enumerate(self._allocs):
-            if alloc.base <= ptr and ptr + nbytes <= alloc.base + alloc.region_bytes:
-                return index, ptr - alloc.base
+        for number, alloc in self._allocs.items():
+            # A dead mapping's address may have been reused: only live ones can match.
+            if (alloc.base <= ptr and ptr + nbytes <= alloc.base + alloc.region_bytes
+                    and alloc.mapping() is not None):
+                return number, ptr - alloc.base
         return None
+
+    def _regions(self, number: int) -> list[torch.Tensor]:
+        regions = self._allocs[number].regions(self.local_size)
+        assert regions is not None  # the caller holds a tensor in it
+        return regions
 
     def _arrive_checked(self, meta: tuple[int, ...], slot: int = 2) -> None:
         """Barrier that also proves every local rank called with the same tensor shape,
@@ -330,10 +363,9 @@ class ShmCommunicator:
             flat.div_(divisor)
 
     def _reduce_in_place(self, flat, where, op, divisor, meta) -> None:
-        alloc = self._allocs[where[0]]
         start, stop = where[1], where[1] + flat.numel() * flat.element_size()
         self._arrive_checked(meta)
-        regions = [r[start:stop].view(flat.dtype) for r in alloc.regions]
+        regions = [r[start:stop].view(flat.dtype) for r in self._regions(where[0])]
         self._reduce_my_chunk(regions, op, divisor)
         self.control.barrier()
 
@@ -374,7 +406,7 @@ class ShmCommunicator:
         if where is not None:
             start = where[1]
             stop = start + flat.numel() * flat.element_size()
-            source = self._allocs[where[0]].regions[0][start:stop].view(flat.dtype)
+            source = self._regions(where[0])[0][start:stop].view(flat.dtype)
             self.control.barrier()
             if not self.is_leader:
                 flat.copy_(source)

@@ -60,11 +60,18 @@ class ShmState:
                 log.warning(f"shm comm hook: bucket of {numel} elements stays private ({exc})")
         return torch.empty(numel, dtype=dtype, device=device)
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "avg") -> torch.Tensor:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "avg", *, divisor: int | None = None
+    ) -> torch.Tensor:
         comm = self.communicator if tensor.device.type == "cpu" else None
-        if comm is None:
-            return shm.backend_all_reduce(tensor, op, self.group)
-        return comm.all_reduce(tensor, op)
+        if comm is not None:
+            return comm.all_reduce(tensor, op, divisor=divisor)
+        shm.backend_all_reduce(tensor, "sum" if op == "avg" else op, self.group)
+        if op == "avg" and divisor is None:
+            divisor = dist.get_world_size(self.group)
+        if divisor is not None and divisor != 1:
+            tensor.div_(divisor)
+        return tensor
 
     def close(self) -> None:
         if self._comm is not None:
@@ -77,11 +84,14 @@ class ShmState:
 def shm_hook(state: ShmState, bucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket's gradients across ranks in place; returns a completed future.
 
+    Divides by ``bucket.divisor()`` where the engine provides it (ddpkit's DataParallel:
+    fewer ranks while some have joined), else by the group size (torch's GradBucket).
     The reduction runs synchronously: with ranks sharing cores, a communication thread
     would only compete with backward for the same cycles.
     """
     buffer = bucket.buffer()
-    state.all_reduce(buffer, "avg")
+    divisor = bucket.divisor() if hasattr(bucket, "divisor") else dist.get_world_size(state.group)
+    state.all_reduce(buffer, "sum", divisor=divisor)
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(buffer)
     return future
