@@ -87,3 +87,52 @@ def test_logger_prefixes_rank_and_filters(clean_env, caplog):
         logger.warning_once("once")
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["[rank 0] hello", "[rank 1] shown", "[rank 0] once"]
+
+
+def _bad_rendezvous(env: dict, timeout: float) -> str:
+    """Run ddpkit.init in a fresh interpreter under ``env``; return its one error line."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import ddpkit, sys\n"
+        "try:\n"
+        f"    ddpkit.init(timeout={timeout})\n"
+        "except ddpkit.ConfigError as e:\n"
+        "    print(e); sys.exit(3)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    return proc.stdout.strip()
+
+
+def test_port_in_use_is_one_line():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        line = _bad_rendezvous(env, timeout=5)
+    assert "port already in use" in line and f"MASTER_PORT={port}" in line
+
+
+def test_world_size_mismatch_is_one_line():
+    from ddpkit.spawn import free_port
+
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    line = _bad_rendezvous(env, timeout=2)
+    assert line.startswith("only 1 of WORLD_SIZE=2 processes joined within 2 s")

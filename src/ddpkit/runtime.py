@@ -9,6 +9,7 @@ code never needs an ``if distributed:`` branch around its collectives.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -92,10 +93,33 @@ def init(
         # No launcher: a private in-memory store makes a real group of one.
         dist.init_process_group(store=dist.HashStore(), **kwargs)
     else:
-        dist.init_process_group(init_method=init_method or "env://", **kwargs)
+        try:
+            dist.init_process_group(init_method=init_method or "env://", **kwargs)
+        except (dist.DistNetworkError, dist.DistStoreError) as err:
+            raise _rendezvous_error(err, world, init_method, kwargs["timeout"]) from err
     _world = world
     log.debug(f"initialized {backend} process group: {world}")
     return world
+
+
+def _rendezvous_error(err: Exception, world: World, init_method, timeout: timedelta) -> Exception:
+    """Turn torch's rendezvous failures that users cause into one line that says the fix."""
+    text = str(err)
+    where = (
+        init_method or f"env:// (MASTER_ADDR={world.master_addr} MASTER_PORT={world.master_port})"
+    )
+    if "EADDRINUSE" in text or "address already in use" in text:
+        return ConfigError(
+            f"rank 0 cannot host the store: port already in use at {where}; "
+            "pick a free MASTER_PORT, or let `ddpkit launch` pick one"
+        )
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)
+    if joined:
+        return ConfigError(
+            f"only {joined.group(1)} of WORLD_SIZE={world.world_size} processes joined within "
+            f"{timeout.total_seconds():.0f} s at {where}; start every rank, or fix WORLD_SIZE"
+        )
+    return err
 
 
 def shutdown() -> None:
