@@ -21,7 +21,7 @@ from test_multinode import (
     NODE_TIMEOUT_S,
     TRAIN_ARGS,
     assert_same_training,
-    clean_env,
+    child_env,
     reference_results,
     train_results,
     world_lines,
@@ -36,7 +36,7 @@ def test_world_from_simulated_openmpi_variables():
     procs = [
         subprocess.Popen([sys.executable, EXAMPLE, "--steps", "0"], cwd=ROOT, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env=clean_env(OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="2",
+                         env=child_env(OMPI_COMM_WORLD_RANK=str(r), OMPI_COMM_WORLD_SIZE="2",
                                        OMPI_COMM_WORLD_LOCAL_RANK=str(r),
                                        OMPI_COMM_WORLD_LOCAL_SIZE="2",
                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
@@ -66,7 +66,7 @@ def test_mpirun_train_equals_one_node_run(tmp_path, tmp_path_factory):
            "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}",
            "-x", "OMP_NUM_THREADS=1",
            *DDPKIT, "train", *TRAIN_ARGS, "--out-dir", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=clean_env(), capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=NODE_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 rank(s) x 64 = global batch 128" in proc.stdout + proc.stderr

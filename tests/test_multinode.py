@@ -28,7 +28,7 @@ DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
 NODE_TIMEOUT_S = 120
 
 
-def clean_env(**extra: str) -> dict[str, str]:
+def child_env(**extra: str) -> dict[str, str]:
     """The caller's environment minus anything that would pick ranks or interfaces for us."""
     drop = ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
             "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -57,7 +57,7 @@ def reference_results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.getbasetemp() / "multinode_reference"
     if not out.exists():
         proc = subprocess.run([*DDPKIT, "train", "--nproc-per-node", "2", *TRAIN_ARGS,
-                               "--out-dir", str(out)], cwd=ROOT, env=clean_env(),
+                               "--out-dir", str(out)], cwd=ROOT, env=child_env(),
                               capture_output=True, text=True, timeout=NODE_TIMEOUT_S)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return train_results(out)
@@ -150,7 +150,7 @@ def start_node(host: Host, endpoint: str, run_id: str, out: Path, log: Path) -> 
            "--nproc-per-node", "1", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
            *TRAIN_ARGS, "--out-dir", str(out)]
     with log.open("w") as sink:
-        return subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=sink,
+        return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=sink,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -26,7 +26,7 @@ from test_multinode import (
     NODE_TIMEOUT_S,
     TRAIN_ARGS,
     assert_same_training,
-    clean_env,
+    child_env,
     reference_results,
     train_results,
     world_lines,
@@ -92,7 +92,7 @@ def fake_slurm(tmp_path):
     log = tmp_path / "scontrol.log"
 
     def env(nodes: int, tasks_per_node: int) -> dict[str, str]:
-        return clean_env(
+        return child_env(
             PATH=f"{bin_dir}:{os.environ['PATH']}", SCONTROL_LOG=str(log),
             SLURM_JOB_ID=JOB_ID, SLURM_JOB_NODELIST="node[01-02]", SLURM_NNODES=str(nodes),
             SLURM_NTASKS_PER_NODE=str(tasks_per_node),

@@ -38,7 +38,8 @@ def register(sub) -> None:
     v.add_argument("--calibration", default="calibration.json", help="from `plan calibrate`")
     v.add_argument("--batch", default="16,64", help="per-rank batch sizes to try (comma list)")
     v.add_argument("--widths", default="1024,2048,2048,2048,10", help="MLP layer widths")
-    v.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    v.add_argument("--bucket-mb", type=float, default=None,
+                   help="DDP bucket_cap_mb (default: torch's, 25 MiB with a 1 MiB first bucket)")
     v.add_argument("--steps", type=int, default=12, help="timed steps of each kind")
     v.add_argument("--overlap", default="auto",
                    help="fraction of backward that hides communication (auto: 0 when the "
@@ -141,8 +142,9 @@ def run_validate(args) -> int:
     if len(widths) < 2:
         raise ConfigError("--widths needs at least an input and an output width")
     results = []
+    cap = "default" if args.bucket_mb is None else f"{args.bucket_mb:g} MiB"
     print(f"# DDP step of an MLP {'-'.join(map(str, widths))} on {cal.nranks} ranks (torch DDP, "
-          f"gloo, bucket cap {args.bucket_mb:g} MiB), median of {args.steps} steps")
+          f"gloo, bucket cap {cap}), median of {args.steps} steps")
     print(f"#{'batch':>6} {'fwd':>7} {'bwd':>7} {'opt':>7} {'comm(pred)':>11} {'buckets':>8} "
           f"{'predicted':>10} {'measured':>10} {'error':>7}")
     for batch in _int_list(args.batch, "--batch"):

@@ -26,15 +26,26 @@ import torch.distributed as dist
 from ddpkit.plan.calibrate import Calibration
 from ddpkit.plan.model import StepModel, StepPrediction, bucket_sizes, predict_step
 
-# torch DDP's first bucket is 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES).
+# torch DDP's default buckets: 25 MiB, and a first (last-layer) bucket of 1 MiB so that
+# communication starts early in backward - only when bucket_cap_mb is left at None; an
+# explicit cap applies to every bucket (torch.nn.parallel.distributed, torch 2.13).
+DEFAULT_CAP_BYTES = 25 << 20
 FIRST_BUCKET_BYTES = 1 << 20
+
+
+def bucket_caps(bucket_cap_mb: float | None) -> tuple[float, float]:
+    """(cap, first-bucket cap) in bytes, as torch DDP applies them."""
+    if bucket_cap_mb is None:
+        return DEFAULT_CAP_BYTES, FIRST_BUCKET_BYTES
+    cap = bucket_cap_mb * (1 << 20)
+    return cap, cap
 
 
 @dataclass(frozen=True)
 class MlpSpec:
     widths: tuple[int, ...] = (1024, 2048, 2048, 2048, 10)
     batch_per_rank: int = 64
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | None = None  # None: torch's default (25 MiB, first 1 MiB)
     steps: int = 12
     warmup: int = 3
     threads: int = 1
@@ -126,6 +137,5 @@ def default_overlap(spec: MlpSpec) -> float:
 def predict(measured: Measured, calibration: Calibration, spec: MlpSpec,
             overlap: float) -> StepPrediction:
     step = StepModel(measured.forward_s, measured.backward_s, measured.optimizer_s)
-    buckets = bucket_sizes(measured.param_bytes, spec.bucket_cap_mb * (1 << 20),
-                           FIRST_BUCKET_BYTES)
+    buckets = bucket_sizes(measured.param_bytes, *bucket_caps(spec.bucket_cap_mb))
     return predict_step(step, buckets, calibration.predict, overlap)
