@@ -333,13 +333,23 @@ def format_table(result: BenchResult) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(result: BenchResult, out_dir: str, plot: bool = True) -> list[str]:
-    """collectives.csv, collectives.json and (unless ``plot=False``) collectives.png."""
-    os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"collectives-{result.config.op}")
+def _stem(out_dir: str, op: str) -> str:
+    return os.path.join(out_dir, f"collectives-{op}")
+
+
+def check_out_dir(out_dir: str, op: str) -> None:
+    """Refuse a directory that already holds this op's results: nothing is overwritten."""
+    stem = _stem(out_dir, op)
     taken = [p for p in (stem + ".csv", stem + ".json", stem + ".png") if os.path.exists(p)]
     if taken:
         raise ConfigError(f"{taken[0]} already exists; pass another --out-dir")
+
+
+def write_outputs(result: BenchResult, out_dir: str, plot: bool = True) -> list[str]:
+    """collectives-<op>.csv, .json and (unless ``plot=False``) .png in ``out_dir``."""
+    check_out_dir(out_dir, result.config.op)
+    os.makedirs(out_dir, exist_ok=True)
+    stem = _stem(out_dir, result.config.op)
     paths = [stem + ".csv", stem + ".json"]
     fields = list(asdict(result.rows[0]).keys()) if result.rows else []
     with open(paths[0], "w") as f:

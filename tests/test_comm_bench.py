@@ -1,0 +1,110 @@
+"""`ddpkit bench collectives`: size parsing, bandwidth arithmetic, and the CLI end to end."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddpkit.cli import main as cli_main
+from ddpkit.comm import bench
+from ddpkit.errors import ConfigError
+
+
+def test_parse_sizes_ranges_and_lists():
+    assert bench.parse_sizes("1K:8K") == [1024, 2048, 4096, 8192]
+    assert bench.parse_sizes("1K:256M")[-1] == 256 << 20
+    assert len(bench.parse_sizes("1K:256M")) == 19
+    assert bench.parse_sizes("1K:64K:4") == [1024, 4096, 16384, 65536]
+    assert bench.parse_sizes("100,2MB,1g") == [100, 2 << 20, 1 << 30]
+    for bad in ("1X", "8K:1K", "1K:2K:1", "1K:2K:x", "", "1:2:3:4"):
+        with pytest.raises(ConfigError):
+            bench.parse_sizes(bad)
+
+
+def test_bus_factors_follow_nccl_tests():
+    assert bench.bus_factor("all_reduce", 2) == 1.0
+    assert bench.bus_factor("all_reduce", 4) == 1.5
+    assert bench.bus_factor("all_gather", 4) == 0.75
+    assert bench.bus_factor("reduce_scatter", 2) == 0.5
+    assert bench.bus_factor("broadcast", 8) == 1.0
+
+
+def _read_csv(path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_cli_sweep_prints_table_and_writes_files(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit.cli", "bench", "collectives", "--nproc", "2",
+         "--algo", "ring,backend", "--sizes", "4K,256K", "--warmup", "1", "--repeats", "2",
+         "--out-dir", str(out)],
+        cwd=str(tmp_path), capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[2/2]" in proc.stderr  # progress went to stderr
+    table = [ln for ln in proc.stdout.splitlines() if ln and not ln.startswith("#")]
+    assert [int(ln.split()[0]) for ln in table] == [4096, 262144]
+    assert "ring/backend" in proc.stdout
+    rows = _read_csv(out / "collectives-all_reduce.csv")
+    assert {(r["algo"], int(r["bytes"])) for r in rows} == {
+        (a, s) for a in ("ring", "backend") for s in (4096, 262144)
+    }
+    for r in rows:
+        t = float(r["time_us"]) * 1e-6
+        assert t > 0
+        algbw = int(r["bytes"]) / t / 1e9
+        assert float(r["algbw_gbps"]) == pytest.approx(algbw, rel=1e-3)
+        assert float(r["busbw_gbps"]) == pytest.approx(algbw * 1.0, rel=1e-3)  # 2(n-1)/n, n=2
+        assert int(r["elements"]) * 4 == int(r["bytes"])
+    with open(out / "collectives-all_reduce.json") as f:
+        doc = json.load(f)
+    assert doc["config"]["algos"] == ["ring", "backend"] and len(doc["rows"]) == 4
+    with open(out / "collectives-all_reduce.png", "rb") as f:
+        assert f.read(8).startswith(b"\x89PNG")
+
+
+def test_cli_refuses_to_overwrite_results(tmp_path, capsys):
+    (tmp_path / "collectives-all_reduce.csv").write_text("keep me\n")
+    code = cli_main(["bench", "collectives", "--sizes", "4K", "--out-dir", str(tmp_path)])
+    assert code == 2
+    assert "already exists" in capsys.readouterr().err
+    assert (tmp_path / "collectives-all_reduce.csv").read_text() == "keep me\n"
+
+
+def test_sweep_on_three_ranks_other_collective(pools):
+    cfg = bench.BenchConfig(op="all_gather", algos=("ring", "backend"), sizes=(3000, 70_000),
+                            nproc=3, warmup=0, repeats=1, threads=1)
+    rows, *others = pools(3).run(bench.run_rank, cfg)
+    assert others == [None, None]  # only rank 0 reports
+    assert len(rows) == 4
+    for row in rows:
+        assert row["nranks"] == 3 and row["elements"] % 3 == 0
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 / 3)
+    table = bench.format_table(bench.BenchResult(cfg, [bench.Row(**r) for r in rows]))
+    assert "ring/backend" in table and "busbw factor 0.667" in table
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("--algo", "ring,nope"), "--algo 'nope' is not registered"),
+        (("--algo", "ring,ring"), "lists a name twice"),
+        (("--op", "alltoall"), "--op 'alltoall'"),
+        (("--nproc", "1"), "--nproc must be >= 2"),
+        (("--sizes", "1Q"), "cannot read size"),
+        (("--dtype", "float8"), "--dtype 'float8'"),
+    ],
+)
+def test_cli_bad_input_is_one_line(tmp_path, monkeypatch, capsys, args, message):
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["bench", "collectives", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ddpkit bench: error: ") and message in err[0], err
+    assert not os.path.exists(tmp_path / "runs")  # nothing written on a refusal
