@@ -255,6 +255,22 @@ def subgroups(world) -> list[str]:
     return bad
 
 
+def run_example(world) -> str:
+    import contextlib
+    import importlib.util
+    import io
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "10_ring_allreduce.py")
+    spec = importlib.util.spec_from_file_location("ring_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        module.main(["--mib", "0.25"])  # asserts both rings equal torch's result
+    return out.getvalue()
+
+
 # -- tests --------------------------------------------------------------------------
 
 
@@ -300,3 +316,9 @@ def test_torch_reduce_op_accepted_and_result_in_place(pools):
 
 def test_subgroups_match_torch(pools):
     assert pools(4).run(subgroups) == [[]] * 4
+
+
+def test_example_rings_match_torch(pools):
+    out = pools(2).run(run_example)
+    assert "results match torch" in out[0] and "segmented" in out[0]
+    assert out[1] == ""  # rank 0 reports
