@@ -182,12 +182,17 @@ class Trainer:
     def train_epoch(self) -> dict[str, Any]:
         self.model.train()
         epoch = self.loop.epoch
+        if self.sampler.epoch < epoch:
+            self.sampler.set_epoch(epoch)
+        # A state saved right after an epoch's last step has the sampler already in the
+        # next epoch (position 0): that epoch's training is done, only evaluation is left.
+        batches = self.sampler.batches() if self.sampler.epoch == epoch else iter(())
         sums = MetricSums(self.device)
         total = len(self.train_set) if self.sampler.position == 0 else None
         bar = self._progress(epoch, total)
         start = time.perf_counter()
         seen = 0
-        for batch in self.sampler.batches():
+        for batch in batches:
             self.train_step(batch, sums)
             self.loop.step += 1
             self.loop.sampler = self.sampler.state_dict()
