@@ -124,7 +124,8 @@ class ShmCommunicator:
         self.group, self.view = group, view
         self.run = run or run_id()
         self.timeout = float(timeout)
-        self.slot_bytes = segment.round_up(max(int(slot_mb * 2**20), segment.PAGE))
+        # two page-aligned halves: consecutive pieces alternate between them
+        self.slot_bytes = segment.round_up(max(int(slot_mb * 2**20), 1), 2 * segment.PAGE)
         # allocation number -> where it lives; numbers agree across ranks because every
         # rank allocates in the same order, so they can be checked in each call's meta
         self._allocs: dict[int, _Allocation] = {}
@@ -160,6 +161,9 @@ class ShmCommunicator:
             whole[slots_at + r * self.slot_bytes: slots_at + (r + 1) * self.slot_bytes]
             for r in range(self.local_size)
         ]
+        half = self.slot_bytes // 2
+        self._halves = [[s[p * half:(p + 1) * half] for s in self._slots] for p in (0, 1)]
+        self._pieces = 0
         self.control.barrier()
         # Ranks in separate pid namespaces (containers sharing /dev/shm) cannot see
         # each other's pids; then only the timeout can tell a dead peer.
@@ -257,6 +261,7 @@ class ShmCommunicator:
         self._closed = True
         self._allocs.clear()  # tensors from allocate() keep their memory until dropped
         self._slots.clear()
+        self._halves.clear()
         self._ctl_seg.close()
         if self.leaders is not None:
             dist.destroy_process_group(self.leaders)
@@ -370,19 +375,39 @@ class ShmCommunicator:
         self.control.barrier()
 
     def _reduce_through_slots(self, flat, op, divisor, meta) -> None:
+        """A private tensor, in pieces of half a slot. Only the parts peers reduce are
+        copied in; each rank reduces its chunk from its own private memory and peers'
+        slots, publishes the result in its slot, and everyone copies out the others'
+        results. Pieces alternate slot halves: a peer may still be copying out of the
+        previous piece while this one is copied in."""
         numel, itemsize = flat.numel(), flat.element_size()
-        step = self.slot_bytes // itemsize
+        step = len(self._halves[0][0]) // itemsize
+        kernel = ops.kernel(op)
         for start in range(0, max(numel, 1), step):
             count = min(numel - start, step)
-            slots = [s[: count * itemsize].view(flat.dtype) for s in self._slots]
-            slots[self.me].copy_(flat[start:start + count])
+            parity = self._pieces % 2
+            self._pieces += 1
+            slots = [h[: count * itemsize].view(flat.dtype) for h in self._halves[parity]]
+            mine, piece = slots[self.me], flat[start:start + count]
+            bounds = _chunk_bounds(count, itemsize, self.local_size)
+            lo, hi = bounds[self.me], bounds[self.me + 1]
+            # peers need every chunk but the one this rank reduces: before it and after
+            mine[:lo].copy_(piece[:lo])
+            mine[hi:].copy_(piece[hi:])
             if start == 0:
                 self._arrive_checked(meta)
             else:
                 self.control.barrier()
-            self._reduce_my_chunk(slots, op, divisor)
+            acc = piece[lo:hi]
+            for peer in self.control.peers:
+                kernel(acc, acc, slots[peer][lo:hi])
+            if divisor is not None:
+                acc.div_(divisor)
+            mine[lo:hi].copy_(acc)
             self.control.barrier()
-            flat[start:start + count].copy_(slots[self.me])
+            for peer in self.control.peers:
+                a, b = bounds[peer], bounds[peer + 1]
+                piece[a:b].copy_(slots[peer][a:b])
 
     def _reduce_my_chunk(self, regions: list[torch.Tensor], op: str, divisor) -> None:
         bounds = _chunk_bounds(regions[0].numel(), regions[0].element_size(), self.local_size)
@@ -414,6 +439,7 @@ class ShmCommunicator:
             return
         numel, itemsize = flat.numel(), flat.element_size()
         step = self.slot_bytes // itemsize
+        self.control.barrier()  # peers may still be copying results out of the leader's slot
         for start in range(0, numel, step):
             count = min(numel - start, step)
             source = self._slots[0][: count * itemsize].view(flat.dtype)

@@ -1,0 +1,181 @@
+"""Shared-memory all-reduce against gloo, side by side in one launch.
+
+For each message size every rank times, in the same processes, round-robin:
+
+* ``gloo``      torch.distributed.all_reduce on a private tensor (TCP loopback);
+* ``shm-copy``  ShmCommunicator.all_reduce on a private tensor (copied through the
+  shared slots: what any caller gets);
+* ``shm``       ShmCommunicator.all_reduce on a tensor from ``allocate()`` (nothing
+  copied in or out: what DataParallel's buckets get with the shm hook).
+
+Reported per size: median time per call (the slowest rank's), bus bandwidth
+(``bytes * 2(W-1)/W / time``, the all-reduce convention), ratio to gloo, and a
+verdict on the targets (busbw >= 3x gloo at >= 4 MiB, latency <= 1/10 of gloo at
+<= 64 KiB). Used by ``ddpkit bench shm`` and ``benchmarks/shm.py``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ALGOS = ("gloo", "shm-copy", "shm")
+DEFAULT_SIZES = "4,1K,16K,64K,256K,1M,4M,16M,32M"
+BIG, SMALL = 4 << 20, 64 << 10  # where the bandwidth / latency targets apply
+
+
+@dataclass(frozen=True)
+class Config:
+    nprocs: int = 2
+    sizes: tuple[int, ...] = ()
+    budget_s: float = 0.5  # per size, per algorithm
+    rounds: int = 5
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("B")
+    if text[-1:] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def human(nbytes: float) -> str:
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g}{unit}"
+    return f"{nbytes:g}B"
+
+
+def _calls(comm, private: torch.Tensor, shared: torch.Tensor) -> dict:
+    return {
+        "gloo": lambda: dist.all_reduce(private),
+        "shm-copy": lambda: comm.all_reduce(private),
+        "shm": lambda: comm.all_reduce(shared),
+    }
+
+
+def _mean_call_time(call, iters: int) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return (time.perf_counter() - start) / iters
+
+
+def _slowest(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, dist.ReduceOp.MAX)
+    return t.item()
+
+
+def run_rank(world, cfg: Config) -> list[dict]:
+    from ddpkit.comm.shm import ShmCommunicator
+
+    torch.set_num_threads(1)
+    rows = []
+    with ShmCommunicator() as comm:
+        for index, nbytes in enumerate(cfg.sizes):
+            numel = max(1, nbytes // 4)
+            private = torch.randn(numel)
+            shared = comm.allocate(numel, torch.float32)
+            shared.copy_(private)
+            calls = _calls(comm, private, shared)
+            for call in calls.values():  # warm-up: page faults, lazy set-up
+                call()
+            # Calibrate on gloo, the slowest, so each (size, algorithm) costs ~budget_s.
+            probe = _slowest(_mean_call_time(calls["gloo"], 2))
+            iters = int(max(3, min(5000, cfg.budget_s / cfg.rounds / max(probe, 1e-6))))
+            samples = {name: [] for name in ALGOS}
+            for _ in range(cfg.rounds):  # interleaved: noise hits every algorithm alike
+                for name in ALGOS:
+                    samples[name].append(_mean_call_time(calls[name], iters))
+            times = {name: _slowest(statistics.median(ts)) for name, ts in samples.items()}
+            W = world.world_size
+            for name in ALGOS:
+                t = times[name]
+                rows.append({
+                    "algo": name, "bytes": numel * 4, "world_size": W, "iters": iters,
+                    "time_us": round(t * 1e6, 2),
+                    "busbw_GBps": round(numel * 4 * 2 * (W - 1) / W / t / 1e9, 4),
+                    "speedup_vs_gloo": round(times["gloo"] / t, 3),
+                })
+            if world.rank == 0:
+                print(f"[{index + 1}/{len(cfg.sizes)}] {human(numel * 4):>6}: " + ", ".join(
+                    f"{n} {times[n] * 1e6:.0f} us" for n in ALGOS), flush=True)
+    return rows
+
+
+def format_table(rows: list[dict], nprocs: int) -> str:
+    lines = [f"all_reduce float32, {nprocs} ranks, median time per call (slowest rank)",
+             f"{'size':>6} {'algo':>9} {'time_us':>10} {'busbw GB/s':>11} {'x gloo':>7}"]
+    for r in rows:
+        lines.append(f"{human(r['bytes']):>6} {r['algo']:>9} {r['time_us']:>10.1f} "
+                     f"{r['busbw_GBps']:>11.3f} {r['speedup_vs_gloo']:>7.2f}")
+    lines += verdicts(rows)
+    return "\n".join(lines)
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """One line per target: the worst ratio over the sizes it applies to."""
+    out = []
+    for algo in ("shm", "shm-copy"):
+        big = [r["speedup_vs_gloo"] for r in rows if r["algo"] == algo and r["bytes"] >= BIG]
+        small = [r["speedup_vs_gloo"] for r in rows if r["algo"] == algo and r["bytes"] <= SMALL]
+        if big:
+            out.append(f"target {algo}: busbw >= 3x gloo at >= 4M: worst {min(big):.2f}x "
+                       f"({'met' if min(big) >= 3 else 'not met'})")
+        if small:
+            out.append(f"target {algo}: latency <= 1/10 gloo at <= 64K: worst {min(small):.2f}x "
+                       f"faster ({'met' if min(small) >= 10 else 'not met'})")
+    return out
+
+
+def write_outputs(rows: list[dict], out_dir: str, plot: bool = True) -> list[str]:
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "shm.json"), os.path.join(out_dir, "shm.csv")]
+    with open(paths[0], "w") as f:
+        json.dump(rows, f, indent=1)
+    with open(paths[1], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    if plot:
+        paths.append(_plot(rows, os.path.join(out_dir, "shm.png")))
+    return paths
+
+
+def _plot(rows: list[dict], path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for algo in ALGOS:
+        mine = [r for r in rows if r["algo"] == algo]
+        sizes = [r["bytes"] for r in mine]
+        left.loglog(sizes, [r["time_us"] for r in mine], marker="o", label=algo)
+        right.semilogx(sizes, [r["busbw_GBps"] for r in mine], marker="o", label=algo)
+    left.set(xlabel="message size (bytes)", ylabel="time per all_reduce (us)", title="latency")
+    right.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)", title="bandwidth")
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run(cfg: Config) -> list[dict]:
+    import ddpkit
+
+    return ddpkit.spawn(run_rank, cfg.nprocs, args=(cfg,))[0]

@@ -1,0 +1,58 @@
+"""``ddpkit bench shm``: shared-memory all-reduce vs gloo (plug-in of ``ddpkit bench``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from ddpkit.errors import ConfigError
+
+
+def register(bench_sub) -> None:
+    from ddpkit.comm import shm_bench
+
+    p = bench_sub.add_parser(
+        "shm",
+        help="shared-memory all_reduce (private and allocated tensors) vs gloo",
+        description=(
+            "Spawn N local ranks and time all_reduce at each size three ways, interleaved: "
+            "gloo, shm on private tensors (copied through shared slots) and shm on tensors "
+            "from allocate() (no copy, what DataParallel buckets get). Prints time, bus "
+            "bandwidth and ratio to gloo, checks the targets, writes CSV, JSON and a PNG."),
+    )
+    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn on this machine")
+    p.add_argument("--sizes", default=shm_bench.DEFAULT_SIZES,
+                   help="comma-separated message sizes, e.g. 4,64K,4M")
+    p.add_argument("--budget", type=float, default=0.5,
+                   help="seconds of timing per size and algorithm")
+    p.add_argument("--out-dir", default=None,
+                   help="where CSV/JSON/PNG go (default: runs/bench-shm-<time>)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ddpkit.comm import shm_bench
+
+    if args.nproc < 2:
+        raise ConfigError(f"--nproc must be >= 2 to compare all-reduces, got {args.nproc}")
+    try:
+        sizes = tuple(shm_bench.parse_size(s) for s in args.sizes.split(",") if s.strip())
+    except ValueError:
+        raise ConfigError(f"--sizes {args.sizes!r}: use sizes like 4,64K,4M") from None
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--sizes {args.sizes!r}: give one or more sizes >= 1 byte")
+    if args.budget <= 0:
+        raise ConfigError(f"--budget must be positive, got {args.budget}")
+    out_dir = args.out_dir or f"runs/bench-shm-{time.strftime('%Y%m%d-%H%M%S')}"
+    if os.path.exists(os.path.join(out_dir, "shm.json")):
+        raise ConfigError(f"{out_dir}/shm.json exists; pass another --out-dir")
+    print(f"ddpkit bench shm: {args.nproc} ranks, {len(sizes)} sizes; progress below",
+          file=sys.stderr)
+    cfg = shm_bench.Config(nprocs=args.nproc, sizes=sizes, budget_s=args.budget)
+    rows = shm_bench.run(cfg)
+    print(shm_bench.format_table(rows, args.nproc))
+    paths = shm_bench.write_outputs(rows, out_dir, plot=not args.no_plot)
+    print(f"# wrote {', '.join(paths)}")
+    return 0
