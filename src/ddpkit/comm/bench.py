@@ -371,6 +371,13 @@ def _csv_value(v) -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
+def _short_bytes(n: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
 def _plot(result: BenchResult, path: str) -> None:
     import matplotlib
 
@@ -383,6 +390,9 @@ def _plot(result: BenchResult, path: str) -> None:
         rows = sorted((r for r in result.rows if r.algo == algo), key=lambda r: r.bytes)
         ax.plot([r.bytes for r in rows], [r.busbw_gbps for r in rows], marker="o", label=algo)
     ax.set_xscale("log", base=2)
+    sizes = sorted({r.bytes for r in result.rows})
+    ticks = sizes if len(sizes) <= 8 else sizes[:: math.ceil(len(sizes) / 8)]
+    ax.set_xticks(ticks, [_short_bytes(s) for s in ticks])
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(f"{cfg.op}, {cfg.nproc} ranks, {cfg.dtype} (median of {cfg.repeats})")
