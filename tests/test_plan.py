@@ -201,9 +201,12 @@ def test_project_bad_input(tmp_path, capsys, args, message):
 
 # ------------------------------------------------------------------------- validate
 def test_validate_pipeline_on_two_ranks(pools):
-    spec = validate.MlpSpec(widths=(64, 128, 10), batch_per_rank=8, steps=3, warmup=1)
+    spec = validate.MlpSpec(widths=(64, 128, 10), batch_per_rank=8, steps=3, warmup=1,
+                            calibration_sizes=(4096, 1 << 20))
     measured = validate.Measured(**pools(2).run(validate.measure_rank, spec)[0])
     assert measured.step_s > 0 and measured.backward_s > 0 and len(measured.step_samples) == 3
+    assert [n for n, _ in measured.allreduce_points] == [4096, 1 << 20]
+    assert all(t > 0 for _, t in measured.allreduce_points)
     cal = Calibration(2, 100e-6, 1e9, ((4096, 1e-3), (1 << 20, 2e-3)))
     pred = validate.predict(measured, cal, spec, overlap=0.0)
     assert sum(pred.buckets) == sum(measured.param_bytes) == 4 * (64 * 128 + 128 + 128 * 10 + 10)

@@ -6,10 +6,14 @@ Two ranks train an MLP with torch's DistributedDataParallel (gloo, buckets of
 * steps under ``no_sync()``: forward, backward and optimizer with no communication -
   the compute the model takes as given;
 * normal steps: what the model must predict from that compute, the bucket sizes and the
-  calibrated all-reduce line.
+  calibrated all-reduce line;
+* (unless a calibration file is given) plain all-reduces over a sweep of sizes, to which
+  alpha and beta are fitted. Interleaving them with the steps means calibration and
+  steps see the same machine: on a box shared with other work, load drifts between two
+  separate commands by more than the model's error.
 
-Each timed step starts after a barrier; a step's time is the slowest rank's; we report
-medians. The prediction uses nothing measured in the synchronised steps.
+Each timed step or all-reduce starts after a barrier; its time is the slowest rank's; we
+report medians. The prediction uses nothing measured in the synchronised steps.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class MlpSpec:
     warmup: int = 3
     threads: int = 1
     nproc: int = 2
+    calibration_sizes: tuple[int, ...] = (4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20)
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class Measured:
     optimizer_s: float
     param_bytes: tuple[int, ...]  # in model.parameters() order
     step_samples: tuple[float, ...]
+    allreduce_points: tuple[tuple[int, float], ...] = ()  # (bytes, median seconds)
 
 
 def _mlp(widths: tuple[int, ...]) -> torch.nn.Module:
@@ -101,14 +107,26 @@ def measure_rank(world, spec: MlpSpec) -> dict | None:
         opt.zero_grad()
         return t1 - t0, t2 - t1, time.perf_counter() - t2
 
+    buffers = [torch.zeros(n // 4) for n in spec.calibration_sizes]
+
+    def reduce_once(buf: torch.Tensor) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(buf)
+        return time.perf_counter() - t0
+
     for _ in range(spec.warmup):
         step(True)
         step(False)
-    synced, local = [], []
+        for buf in buffers:
+            reduce_once(buf)
+    synced, local, reduces = [], [], []
     for _ in range(spec.steps):
         synced.append(sum(step(True)))
         local.append(step(False))
+        reduces.append([reduce_once(buf) for buf in buffers])
     synced = _slowest(synced)
+    per_size = [_slowest([r[i] for r in reduces]) for i in range(len(buffers))]
     fwd = _slowest([s[0] for s in local])
     bwd = _slowest([s[1] for s in local])
     upd = _slowest([s[2] for s in local])
@@ -118,7 +136,9 @@ def measure_rank(world, spec: MlpSpec) -> dict | None:
     return asdict(Measured(
         step_s=med(synced), forward_s=med(fwd), backward_s=med(bwd), optimizer_s=med(upd),
         param_bytes=tuple(p.numel() * p.element_size() for p in model.parameters()),
-        step_samples=tuple(synced)))
+        step_samples=tuple(synced),
+        allreduce_points=tuple((buf.numel() * 4, med(times))
+                               for buf, times in zip(buffers, per_size))))
 
 
 def measure(spec: MlpSpec) -> Measured:
