@@ -4,7 +4,7 @@ Public API (stable names): World, init, shutdown, distributed, spawn, and, as th
 land, DataParallel, join, Checkpointer and the comm/data subpackages.
 """
 
-from ddpkit import data
+from ddpkit import comm, data
 from ddpkit.checkpoint import Checkpointer
 from ddpkit.errors import CommError, ConfigError, DdpkitError
 from ddpkit.parallel import DataParallel, join
@@ -22,6 +22,7 @@ __all__ = [
     "SpawnError",
     "Topology",
     "World",
+    "comm",
     "data",
     "distributed",
     "init",
