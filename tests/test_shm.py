@@ -280,6 +280,7 @@ def too_big(world, run) -> list:
     x = torch.full((10,), float(world.rank))
     state.all_reduce(x, "sum")
     fell_back = state.communicator is None
+    dist.barrier()
     return [error, fell_back, x[0].item(), _segments(run)]
 
 
@@ -307,6 +308,7 @@ def attach_fails(world, run) -> list:
         error = str(exc)
     finally:
         shm.segment.attach = real
+    dist.barrier()  # the leader unlinks as it raises: let it get there
     return [error, _segments(run)]
 
 

@@ -27,6 +27,7 @@ Importing this module registers algorithm "shm" with :mod:`ddpkit.comm`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -156,6 +157,8 @@ class ShmCommunicator:
             for parity in (0, 1)
         ]
         self._small_calls = 0
+        self._small_views: dict = {}  # (parity, numel, dtype) -> per-rank views
+        self._codes: dict = {}
         slots_at = ctl_bytes + small_bytes
         self._slots = [
             whole[slots_at + r * self.slot_bytes: slots_at + (r + 1) * self.slot_bytes]
@@ -289,8 +292,7 @@ class ShmCommunicator:
         host the division happens inside the reduction pass, not as another pass.
         """
         self._check_open()
-        name = ops.op_name(op)
-        ops.check_op(name, tensor.dtype)
+        name, code = self._checked(op, tensor.dtype)
         if tensor.device.type != "cpu":
             raise CommError(f"shm all_reduce needs a CPU tensor, got one on {tensor.device}")
         if name == "avg" and divisor is None:
@@ -298,13 +300,15 @@ class ShmCommunicator:
         if divisor is not None and (name not in ("sum", "avg") or not tensor.is_floating_point()):
             raise CommError(f"divisor= needs op 'sum' or 'avg' on a floating tensor, got {name!r} "
                             f"on {tensor.dtype}")
-        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+        if not tensor.is_contiguous():
+            flat = tensor.contiguous().view(-1)
+        else:
+            flat = tensor if tensor.dim() == 1 else tensor.view(-1)
         local_op = "sum" if name == "avg" else name
         in_pass = divisor if self.nhosts == 1 and divisor != 1 else None
         where = self._find(flat)
         # (numel, dtype and op, buffer, offset): what every local rank must agree on
-        meta = (flat.numel(), ops.DTYPES.index(flat.dtype) * 16 + ops.OPS.index(name),
-                -1 if where is None else where[0], -1 if where is None else where[1])
+        meta = (flat.numel(), code, -1, -1) if where is None else (flat.numel(), code, *where)
         if where is None and flat.numel() * flat.element_size() <= SMALL_BYTES:
             self._reduce_small(flat, local_op, in_pass, meta)
         elif where is None:
@@ -320,6 +324,18 @@ class ShmCommunicator:
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
+
+    def _checked(self, op, dtype: torch.dtype) -> tuple[str, int]:
+        """(op name, dtype/op code); validated once per combination (calls are hot)."""
+        try:
+            return self._codes[(op, dtype)]
+        except (KeyError, TypeError):
+            name = ops.op_name(op)
+            ops.check_op(name, dtype)
+            found = (name, ops.DTYPES.index(dtype) * 16 + ops.OPS.index(name))
+            with contextlib.suppress(TypeError):  # an unhashable op object: not cached
+                self._codes[(op, dtype)] = found
+            return found
 
     def _find(self, flat: torch.Tensor) -> tuple[int, int] | None:
         """(allocation number, byte offset) when ``flat`` lies in memory we allocated."""
@@ -355,8 +371,14 @@ class ShmCommunicator:
         calls: a peer may still be reading this call's data while we start the next."""
         parity = self._small_calls % 2
         self._small_calls += 1
-        nbytes = flat.numel() * flat.element_size()
-        areas = [a[:nbytes].view(flat.dtype) for a in self._small[parity]]
+        key = (parity, flat.numel(), flat.dtype)
+        areas = self._small_views.get(key)
+        if areas is None:
+            nbytes = flat.numel() * flat.element_size()
+            areas = [a[:nbytes].view(flat.dtype) for a in self._small[parity]]
+            if len(self._small_views) > 256:  # many distinct sizes: do not grow forever
+                self._small_views.clear()
+            self._small_views[key] = areas
         areas[self.me].copy_(flat)
         self._arrive_checked(meta, parity)
         if self.local_size > 1:

@@ -73,7 +73,7 @@ class Control:
 
     def meta(self, rank: int, count: int, slot: int) -> tuple[int, ...]:
         base = rank * LINE_WORDS + META + slot * count
-        return tuple(int(v) for v in self.words[base:base + count])
+        return tuple(self.words[base:base + count].tolist())
 
     def barrier(self) -> None:
         self.gen += 1
