@@ -107,15 +107,18 @@ def format_table(rows: Sequence[Row], workload: Workload, intra: Link, inter: Li
         f"# links: intra-node {intra.name} {intra.bandwidth_Bps / 1e9:g} GB/s, "
         f"{intra.alpha_s * 1e6:g} us; inter-node {inter.name} {inter.bandwidth_Bps / 1e9:g} GB/s "
         f"per NIC, {inter.alpha_s * 1e6:g} us; {gpus_per_node} GPUs and NICs per node",
-        "#  GPUs nodes |" + "".join(f" {a:>12} all-reduce  step    eff |" for a in algos),
+        "#" + " " * 13 + "|" + "".join(f" {a:^30} |" for a in algos),
+        "#  GPUs nodes |" + " {:>12} {:>9} {:>7} |".format("all-reduce", "step", "eff")
+        * len(algos),
     ]
     by = {(r.gpus, r.algo): r for r in rows}
     for gpus in sorted({r.gpus for r in rows}):
         nodes = by[(gpus, algos[0])].nodes
-        line = f" {gpus:>5} {nodes:>5} |"
+        line = f" {gpus:>6} {nodes:>5} |"
         for algo in algos:
             p = by[(gpus, algo)].prediction
-            line += f" {1e3 * p.comm_s:>20.1f}ms {1e3 * p.step_s:>5.0f}ms {p.efficiency:>5.1%} |"
+            line += (f" {1e3 * p.comm_s:>10.1f}ms {1e3 * p.step_s:>7.1f}ms "
+                     f"{100 * p.efficiency:>6.1f}% |")
         lines.append(line)
     lines.append("# all-reduce: sum over buckets of the gradient all-reduce; step: with "
                  "backward overlap; eff = compute / step (weak scaling)")
