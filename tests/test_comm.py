@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ddpkit import comm
 from ddpkit.comm.backend import _all_gather_flat, _reduce_scatter_flat
@@ -274,6 +276,25 @@ def run_example(world) -> str:
     return out.getvalue()
 
 
+def one_case(world, numel: int, dtype: torch.dtype, op: str, algo: str, cols: int) -> str | None:
+    _register_tiny()
+    x = _input(numel * cols, dtype, op, world.rank, salt=cols)
+    if cols > 1:  # a transposed view: non-contiguous, handled by copy in / copy out
+        x = x.view(cols, numel).t()
+    want = _torch_all_reduce(x.contiguous(), op, world.world_size)
+    comm.all_reduce(x, op=op, algo=algo)
+    return _mismatch(f"{algo} {op} {dtype} {tuple(x.shape)}", x.contiguous(), want)
+
+
+@st.composite
+def _cases(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    numel = draw(st.integers(0, 3000))
+    algos = [a for a in ALGOS if a != "ring_tiny" or numel <= TINY_MAX_NUMEL]
+    return numel, dtype, draw(st.sampled_from(_ops(dtype))), draw(st.sampled_from(algos)), (
+        draw(st.sampled_from([1, 1, 3])))
+
+
 # -- tests --------------------------------------------------------------------------
 
 
@@ -325,3 +346,9 @@ def test_example_rings_match_torch(pools):
     out = pools(2).run(run_example)
     assert "results match torch" in out[0] and "segmented" in out[0]
     assert out[1] == ""  # rank 0 reports
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=_cases())
+def test_random_all_reduce_matches_torch(pools, case):
+    assert pools(3).run(one_case, *case) == [None] * 3

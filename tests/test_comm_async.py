@@ -141,3 +141,18 @@ def test_async_mismatch_fails_every_wait(pools):
 
 def test_async_subgroups_need_ddpkit_new_group(pools):
     assert pools(3).run(async_subgroups) == [[], [], []]
+
+
+def lanes_reopen(world) -> bool:
+    x = _data(99, world.rank, 7)
+    want = _summed(x)
+    comm.all_reduce(x, async_op=True).wait()
+    comm.close_lanes()  # every rank, nothing outstanding
+    y = _data(99, world.rank, 8)
+    want_y = _summed(y)
+    comm.all_reduce(y, async_op=True).wait()  # a fresh lane and companion group
+    return torch.equal(x, want) and torch.equal(y, want_y)
+
+
+def test_close_lanes_then_async_again(pools):
+    assert pools(2).run(lanes_reopen) == [True, True]
