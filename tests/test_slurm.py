@@ -120,6 +120,7 @@ def test_script_directives_and_command(tmp_path):
         "#SBATCH --open-mode=append", "#SBATCH --requeue", "#SBATCH --signal=B:USR1@120"]
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
     assert "trap requeue USR1" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK" in text
     assert f"{sys.executable} -m ddpkit.cli train --epochs 3 --lr 0.2 &" in text
     proc = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr  # valid bash

@@ -145,8 +145,16 @@ def render(job: SlurmJob, argv: Sequence[str] | None = None) -> str:
         "MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}",
         "export MASTER_ADDR MASTER_PORT",
         "",
+    ]
+    if job.cpus_per_task is not None:
+        lines += [
+            "# srun (SLURM >= 22.05) no longer inherits --cpus-per-task from sbatch.",
+            "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK",
+            "",
+        ]
+    lines += [
         "# SLURM sends USR1 to this shell ahead of the time limit (or on preemption):",
-        "# relay it to every worker (they checkpoint at the next step) and requeue the job.",
+        "# relay it to the workers (srun forwards signals to its tasks) and requeue the job.",
         "requeue() {",
         '    echo "ddpkit: USR1 at $(date +%T): checkpoint and requeue job $SLURM_JOB_ID" >&2',
         '    kill -USR1 "$srun_pid" 2>/dev/null',
