@@ -59,7 +59,7 @@ class ArrayDataset(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = torch.as_tensor(indices, dtype=torch.long)
+        idx = torch.as_tensor(indices, dtype=torch.long, device=self.x.device)
         return self.x[idx], self.y[idx]
 
     @property
