@@ -121,7 +121,12 @@ class _Call:
             # torch's own async work; the (small, blocking) agreement runs first.
             self.agree(self.group, device)
             work = backend_async()
-            return CommHandle(work.get_future().then(lambda _: finish()))
+
+            def after(fut: torch.futures.Future) -> torch.Tensor:
+                fut.wait()  # re-raises the backend's error instead of finishing over it
+                return finish()
+
+            return CommHandle(work.get_future().then(after))
         ln = lanes.lane(self.group)
 
         def job(companion) -> torch.Tensor:
