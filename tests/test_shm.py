@@ -102,12 +102,19 @@ def shapes_and_views(world) -> list[bool]:
         comm.all_reduce(bucket[10:30], "sum")  # a slice of an allocation is reduced in place
         out.append(bool((bucket[10:30] == sum(range(world.world_size))).all()))
         out.append(bool((bucket[:10] == world.rank).all() and (bucket[30:] == world.rank).all()))
+        # One rank's tensor in shared memory, the others' private (a joined rank's
+        # stand-in): every rank must take the same (copying) path.
+        big = comm.allocate(40_001, torch.float32) if world.rank == 0 else torch.empty(40_001)
+        big.copy_(torch.arange(40_001.0) * (world.rank + 1))
+        comm.all_reduce(big)
+        expected = torch.arange(40_001.0) * sum(r + 1 for r in range(world.world_size))
+        out.append(torch.equal(big, expected))
     return out
 
 
 def test_shapes_views_and_slices(pools):
     for flags in pools(2).run(shapes_and_views):
-        assert flags == [True, True, True, True]
+        assert flags == [True] * 5
 
 
 def mismatched_calls(world) -> list[str]:
@@ -440,3 +447,35 @@ def test_dataparallel_with_shared_buckets_trains_like_the_default_engine(pools):
         assert result["diff"] < 1e-5
         assert result["spread"] == 0.0
         assert result["in_shm"][-1]  # gradients land in shared memory, no copy in
+
+
+def uneven_inputs_with_join(world) -> dict:
+    """ddpkit.join: ranks with fewer batches mirror the collectives of the others; the
+    shm hook must divide as the engine says (bucket.divisor()) to match the default."""
+    import ddpkit
+    from ddpkit.comm.shm_hook import ShmState, shm_hook
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+    state = ShmState()
+    results = []
+    for options in ({}, {"comm_hook": shm_hook, "comm_state": state}):
+        model = ddpkit.DataParallel(make(), bucket_cap_mb=0.001, **options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(world.rank)
+        with ddpkit.join(model, divide_by_initial_world_size=False):
+            for _ in range(2 + 2 * world.rank):  # rank 1 trains twice as many batches
+                x, y = torch.randn(4, 8, generator=g), torch.randint(0, 2, (4,), generator=g)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    state.close()
+    return {"diff": (results[0] - results[1]).abs().max().item()}
+
+
+def test_join_with_uneven_inputs_matches_the_default_engine(pools):
+    for result in pools(2).run(uneven_inputs_with_join):
+        assert result["diff"] < 1e-6

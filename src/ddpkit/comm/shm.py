@@ -306,15 +306,23 @@ class ShmCommunicator:
             flat = tensor if tensor.dim() == 1 else tensor.view(-1)
         local_op = "sum" if name == "avg" else name
         in_pass = divisor if self.nhosts == 1 and divisor != 1 else None
-        where = self._find(flat)
-        # (numel, dtype and op, buffer, offset): what every local rank must agree on
-        meta = (flat.numel(), code, -1, -1) if where is None else (flat.numel(), code, *where)
-        if where is None and flat.numel() * flat.element_size() <= SMALL_BYTES:
-            self._reduce_small(flat, local_op, in_pass, meta)
-        elif where is None:
-            self._reduce_through_slots(flat, local_op, in_pass, meta)
+        # Which path runs must be decided identically on every rank, from what all of
+        # them see: a rank may hold a private tensor where its peers hold an allocated
+        # one (a joined rank's stand-in gradients, say). Small messages take the small
+        # path whatever their memory; larger ones are reduced in place only when every
+        # rank's tensor sits at the same place of the same allocation.
+        if flat.numel() * flat.element_size() <= SMALL_BYTES:
+            where = None
+            self._reduce_small(flat, local_op, in_pass, (flat.numel(), code, -1, -1))
         else:
-            self._reduce_in_place(flat, where, local_op, in_pass, meta)
+            where = self._find(flat)
+            meta = (flat.numel(), code, -1, -1) if where is None else (flat.numel(), code, *where)
+            if not self._arrive_checked(meta):
+                where = None
+            if where is None:
+                self._reduce_through_slots(flat, local_op, in_pass)
+            else:
+                self._reduce_in_place(flat, where, local_op, in_pass)
         if self.nhosts > 1:
             if self.leaders is not None and flat.numel():
                 dist.all_reduce(flat, ops.TO_REDUCE_OP[local_op], group=self.leaders)
@@ -352,18 +360,30 @@ class ShmCommunicator:
         assert regions is not None  # the caller holds a tensor in it
         return regions
 
-    def _arrive_checked(self, meta: tuple[int, ...], slot: int = 2) -> None:
-        """Barrier that also proves every local rank called with the same tensor shape,
-        dtype, op and buffer; a mismatch raises on every rank instead of corrupting."""
+    def _arrive_checked(self, meta: tuple[int, ...], slot: int = 2) -> bool:
+        """Barrier that also proves every local rank called with the same size, dtype
+        and op (a mismatch raises on every rank instead of corrupting memory). Returns
+        whether all ranks' tensors are at the same place of the same allocation."""
         self.control.publish_meta(meta, slot)
         self.control.barrier()
+        same_place = meta[2] >= 0
         for peer in self.control.peers:
             theirs = self.control.meta(peer, len(meta), slot)
-            if theirs != meta:
+            if theirs[:2] != meta[:2]:
                 raise CommError(
-                    f"ranks called shm all_reduce differently: (numel, dtype*16+op, buffer, "
-                    f"offset) = {meta} here, {theirs} on {self.control.labels[peer]}"
+                    f"ranks called shm all_reduce differently: {self._describe(meta)} here, "
+                    f"{self._describe(theirs)} on {self.control.labels[peer]}"
                 )
+            same_place = same_place and theirs[2:] == meta[2:]
+        return same_place
+
+    @staticmethod
+    def _describe(meta: tuple[int, ...]) -> str:
+        numel, code = meta[:2]
+        dtype, op = divmod(code, 16)
+        if not 0 <= dtype < len(ops.DTYPES) or not 0 <= op < len(ops.OPS):
+            return f"{numel} elements (unknown dtype/op code {code})"
+        return f"{numel} x {str(ops.DTYPES[dtype]).removeprefix('torch.')} {ops.OPS[op]!r}"
 
     def _reduce_small(self, flat, op, divisor, meta) -> None:
         """One barrier: publish, then every rank reduces everything itself, in the same
@@ -389,14 +409,14 @@ class ShmCommunicator:
         if divisor is not None:
             flat.div_(divisor)
 
-    def _reduce_in_place(self, flat, where, op, divisor, meta) -> None:
+    def _reduce_in_place(self, flat, where, op, divisor) -> None:
+        """Every rank's tensor is in shared memory already (checked at arrival)."""
         start, stop = where[1], where[1] + flat.numel() * flat.element_size()
-        self._arrive_checked(meta)
         regions = [r[start:stop].view(flat.dtype) for r in self._regions(where[0])]
         self._reduce_my_chunk(regions, op, divisor)
         self.control.barrier()
 
-    def _reduce_through_slots(self, flat, op, divisor, meta) -> None:
+    def _reduce_through_slots(self, flat, op, divisor) -> None:
         """A private tensor, in pieces of half a slot. Only the parts peers reduce are
         copied in; each rank reduces its chunk from its own private memory and peers'
         slots, publishes the result in its slot, and everyone copies out the others'
@@ -416,10 +436,7 @@ class ShmCommunicator:
             # peers need every chunk but the one this rank reduces: before it and after
             mine[:lo].copy_(piece[:lo])
             mine[hi:].copy_(piece[hi:])
-            if start == 0:
-                self._arrive_checked(meta)
-            else:
-                self.control.barrier()
+            self.control.barrier()
             acc = piece[lo:hi]
             for peer in self.control.peers:
                 kernel(acc, acc, slots[peer][lo:hi])
