@@ -1,4 +1,4 @@
-"""Segmented ring collectives on torch.distributed point-to-point (any backend).
+"""Segmented ring collectives on torch.distributed point-to-point (built and tested on gloo).
 
 All-reduce is a reduce-scatter followed by an all-gather around the ring (Baidu's
 DeepSpeech ring; Patarasuk & Yuan's bandwidth-optimal schedule): with P ranks the
@@ -10,9 +10,14 @@ Why segments: sending a whole chunk, then waiting for it, then reducing it leave
 wire idle while the CPU adds and the CPU idle while the wire copies. Cutting each
 chunk into bounded segments and keeping a few receives posted ahead lets segment k+1
 travel while segment k is being reduced (gloo's own ring does the same: <= 1 MiB
-segments, two in flight). Receive buffers are preallocated per thread and reduced
-straight into the destination, so the steady state allocates nothing and copies each
-byte once.
+segments, two in flight). Beyond gloo's scheme, a segment is forwarded the moment it
+lands, so the 2(P-1) steps run as one pipeline (see ``RingAlgorithm._ring``). Receive
+buffers are preallocated per thread and reduced straight into the destination, so
+the steady state allocates nothing and copies each byte once.
+
+The schedule needs p2p messages matched in posting order per peer with non-blocking
+isend/irecv (gloo, MPI). NCCL's individual p2p calls are blocking kernels; use
+``algo="backend"`` there.
 
 Every rank derives the same chunk and segment boundaries from the tensor size alone,
 so a segment sent by rank r has exactly the size rank r+1 posted for it (gloo aborts
