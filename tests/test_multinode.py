@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from ddpkit.launch import route_to
+from ddpkit.launch import LaunchOptions, route_to, torchrun_argv
 
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
 NODE_TIMEOUT_S = 120
@@ -193,3 +193,19 @@ def test_route_to_own_address_names_its_interface():
     if shutil.which("ip") is None:
         pytest.skip("`ip` (iproute2) is not installed")
     assert route_to("127.0.0.1") == ("127.0.0.1", "lo")
+
+
+def test_every_node_publishes_the_address_that_reaches_the_endpoint():
+    """Without --local-addr torchrun would publish getfqdn() (often 'localhost'), which
+    becomes MASTER_ADDR for every worker whenever that node sorts first."""
+    remote = "203.0.113.9"  # TEST-NET-3: routed (if at all) like any outside address
+    source, _ = route_to(remote)
+    argv = torchrun_argv(LaunchOptions(nnodes="2", rdzv_endpoint=f"{remote}:29411"), 1)
+    assert "is_host=1" not in argv
+    if source is None:  # no route at all: nothing to publish, torchrun's default stays
+        assert "--local-addr" not in argv
+    else:
+        assert argv[argv.index("--local-addr") + 1] == source != "127.0.0.1"
+    given = torchrun_argv(LaunchOptions(nnodes="2", rdzv_endpoint=f"{remote}:29411",
+                                        local_addr="10.9.8.7"), 1)
+    assert given[given.index("--local-addr") + 1] == "10.9.8.7"
