@@ -104,7 +104,8 @@ def shapes_and_views(world) -> list[bool]:
         out.append(bool((bucket[:10] == world.rank).all() and (bucket[30:] == world.rank).all()))
         # One rank's tensor in shared memory, the others' private (a joined rank's
         # stand-in): every rank must take the same (copying) path.
-        big = comm.allocate(40_001, torch.float32) if world.rank == 0 else torch.empty(40_001)
+        shared = comm.allocate(40_001, torch.float32)  # collective: every rank allocates
+        big = shared if world.rank == 0 else torch.empty(40_001)
         big.copy_(torch.arange(40_001.0) * (world.rank + 1))
         comm.all_reduce(big)
         expected = torch.arange(40_001.0) * sum(r + 1 for r in range(world.world_size))
