@@ -36,7 +36,7 @@ class Config:
     nprocs: int = 2
     sizes: tuple[int, ...] = ()
     budget_s: float = 0.5  # per size, per algorithm
-    rounds: int = 5
+    rounds: int = 7
 
 
 def parse_size(text: str) -> int:
@@ -90,19 +90,22 @@ def run_rank(world, cfg: Config) -> list[dict]:
             calls = _calls(comm, private, shared)
             for call in calls.values():  # warm-up: page faults, lazy set-up
                 call()
-            # Calibrate on gloo, the slowest, so each (size, algorithm) costs ~budget_s.
-            probe = _slowest(_mean_call_time(calls["gloo"], 2))
-            iters = int(max(3, min(5000, cfg.budget_s / cfg.rounds / max(probe, 1e-6))))
+            # Calibrate each algorithm so each (size, algorithm) costs ~budget_s: a round
+            # of a few fast calls would be all noise (one preempted rank costs ms).
+            iters = {}
+            for name, call in calls.items():
+                probe = _slowest(_mean_call_time(call, 3))
+                iters[name] = int(max(3, min(20000, cfg.budget_s / cfg.rounds / max(probe, 1e-6))))
             samples = {name: [] for name in ALGOS}
             for _ in range(cfg.rounds):  # interleaved: noise hits every algorithm alike
                 for name in ALGOS:
-                    samples[name].append(_mean_call_time(calls[name], iters))
+                    samples[name].append(_mean_call_time(calls[name], iters[name]))
             times = {name: _slowest(statistics.median(ts)) for name, ts in samples.items()}
             W = world.world_size
             for name in ALGOS:
                 t = times[name]
                 rows.append({
-                    "algo": name, "bytes": numel * 4, "world_size": W, "iters": iters,
+                    "algo": name, "bytes": numel * 4, "world_size": W, "iters": iters[name],
                     "time_us": round(t * 1e6, 2),
                     "busbw_GBps": round(numel * 4 * 2 * (W - 1) / W / t / 1e9, 4),
                     "speedup_vs_gloo": round(times["gloo"] / t, 3),
