@@ -47,7 +47,10 @@ log = get_logger(__name__)
 
 DEFAULT_SLOT_MB = 8.0  # scratch per rank for tensors that were not allocated by us
 DEFAULT_TIMEOUT_S = 600.0
-PIECE_BYTES = 1 << 20  # reduce-then-write-back granularity: the piece stays in L2
+# Reduce-then-write-back granularity: the piece stays in L2 for the write-back. On a
+# 33.6 MB in-place all-reduce, 1 MiB took 3.1 ms against 4.1 (256 KiB), 3.4 (4 MiB)
+# and 3.8 (no pieces), 2 ranks here.
+PIECE_BYTES = 1 << 20
 # Up to this size every rank reduces the whole message itself from double-buffered
 # areas: one barrier per call instead of two, which is what latency is made of.
 SMALL_BYTES = 64 << 10
