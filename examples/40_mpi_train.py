@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.nn as nn
@@ -45,11 +47,14 @@ def main() -> None:
     y_all = torch.tensor(digits.target)
     # gloo on every launcher: this example is about who starts the processes, not devices.
     with ddpkit.distributed(backend="gloo") as world:
-        print("WORLD " + json.dumps({
+        line = "WORLD " + json.dumps({
             "rank": world.rank, "local_rank": world.local_rank, "world_size": world.world_size,
             "local_world_size": world.local_world_size, "node_rank": world.node_rank,
             "nnodes": world.nnodes, "source": world.source,
-        }), flush=True)
+        }) + "\n"
+        # One write per line: ranks share the launcher's pipe, and an unbuffered print
+        # (PYTHONUNBUFFERED) writes text and newline separately, letting lines interleave.
+        os.write(sys.stdout.fileno(), line.encode())
         if GLOBAL_BATCH % world.world_size:
             raise SystemExit(f"world size {world.world_size} must divide {GLOBAL_BATCH}")
         torch.manual_seed(args.seed)  # same initial weights everywhere (DDP broadcasts anyway)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -72,8 +73,9 @@ def assert_same_training(got: list[dict], want: list[dict]) -> None:
 
 
 def world_lines(output: str) -> list[dict]:
-    return [json.loads(line.split("WORLD ", 1)[1]) for line in output.splitlines()
-            if "WORLD {" in line]
+    # Each record is flat JSON, so "{...}" without nested braces finds it even where
+    # another rank's output landed on the same line.
+    return [json.loads(record) for record in re.findall(r"WORLD (\{[^{}]*\})", output)]
 
 
 def stop(proc: subprocess.Popen) -> None:
