@@ -376,11 +376,31 @@ def test_comm_hooks(pools, hook_name, tolerance):
 
 
 def test_ring_hook_matches_backend(pools):
-    comm = pytest.importorskip("ddpkit.comm")
-    if not hasattr(comm, "all_reduce"):
-        pytest.skip("ddpkit.comm.all_reduce has not landed")
     for _, diff, _ in pools(2).run(run_hooks, "ring"):
         assert diff < 1e-6
+
+
+def test_ring_hook_passes_a_failed_reduction_on(monkeypatch):
+    """A ring that fails must fail the bucket's future, not hand back a half-summed one."""
+    from ddpkit import comm
+    from ddpkit.parallel.hooks import ring_hook
+
+    class FailedHandle:
+        def get_future(self):
+            fut = torch.futures.Future()
+            fut.set_exception(RuntimeError("peer 1 vanished"))
+            return fut
+
+    class Bucket:
+        def buffer(self):
+            return torch.ones(4)
+
+        def divisor(self):
+            return 2
+
+    monkeypatch.setattr(comm, "all_reduce", lambda *a, **k: FailedHandle())
+    with pytest.raises(RuntimeError, match="peer 1 vanished"):
+        ring_hook(None, Bucket()).wait()
 
 
 def run_mixed_dtypes(world):

@@ -48,7 +48,12 @@ def ring_hook(state: object, bucket) -> torch.futures.Future:
     tensor = bucket.buffer()
     tensor.div_(_divisor(state, bucket))
     handle = comm.all_reduce(tensor, op="sum", algo="ring", group=_group_of(state), async_op=True)
-    return handle.get_future().then(lambda fut: tensor)
+
+    def reduced(fut: torch.futures.Future) -> torch.Tensor:
+        fut.wait()  # re-raises a failed reduction instead of handing back a half-summed bucket
+        return tensor
+
+    return handle.get_future().then(reduced)
 
 
 def _compress_hook(dtype: torch.dtype):
