@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -126,6 +127,10 @@ def shutdown() -> None:
     """Destroy the process group if one exists; safe to call any number of times."""
     global _world
     if dist.is_available() and dist.is_initialized():
+        lanes = sys.modules.get("ddpkit.comm.lanes")
+        if lanes is not None:
+            # Stop the async collectives' background threads with the groups they talk on.
+            lanes.close_lanes()
         dist.destroy_process_group()
     _world = None
 
