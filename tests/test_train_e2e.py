@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ddpkit.train.config import resolve
 from ddpkit.train.report import read_jsonl
@@ -27,7 +28,14 @@ def test_ddpkit_train_two_processes_one_epoch(tmp_path, pools):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = out.iterdir()  # one new run directory
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        "config.json", "curves.png", "metrics.jsonl", "summary.json"]
+        "checkpoints", "config.json", "curves.png", "metrics.jsonl", "model.pt", "summary.json"]
+    # One checkpoint at the epoch's end, the final one, holding the final model.
+    manifest = json.loads((run_dir / "checkpoints" / "step_000000012.json").read_text())
+    assert manifest["reason"] == "final" and manifest["world_size"] == 2
+    final = torch.load(run_dir / "model.pt", weights_only=True)
+    saved = torch.load(run_dir / "checkpoints" / "step_000000012.pt", weights_only=True)
+    assert final.keys() == saved["model"].keys()
+    assert all(torch.equal(final[k], saved["model"][k]) for k in final)
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (record,) = read_jsonl(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -65,6 +65,7 @@ class CheckpointInfo:
     world_size: int | None = None
     reason: str = "periodic"
     saved_at: float = 0.0
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # caller's, via save(meta=)
 
     @property
     def name(self) -> str:
@@ -196,14 +197,19 @@ class Checkpointer:
     a clear error before training starts rather than after the first hour. The
     directory must be shared by all ranks (every rank reads the file rank 0 wrote).
     ``keep``: how many committed checkpoints to retain (``None``: all). Only one job
-    may write to a directory at a time.
+    may write to a directory at a time. ``create=False`` opens a directory only to list
+    and load (no probe, nothing created, not collective): for tools that inspect a run.
     """
 
-    def __init__(self, directory: str | os.PathLike, keep: int | None = 3):
+    def __init__(
+        self, directory: str | os.PathLike, keep: int | None = 3, *, create: bool = True
+    ):
         if keep is not None and keep < 1:
             raise CheckpointError(f"keep must be >= 1 (or None for all), got {keep}")
         self.dir = Path(directory)
         self.keep = keep
+        if not create:
+            return
         ok, message = True, ""
         if _rank() == 0:
             try:
@@ -238,12 +244,20 @@ class Checkpointer:
         return payload.with_suffix(".json")
 
     # ---------------------------------------------------------------- saving
-    def save(self, state: Mapping[str, Any], step: int, *, reason: str = "periodic") -> Path:
+    def save(
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        *,
+        reason: str = "periodic",
+        meta: Mapping[str, Any] | None = None,
+    ) -> Path:
         """Write ``state`` as the checkpoint for ``step`` (collective; rank 0 writes).
 
         Returns the payload's path on every rank once it is committed. ``reason`` is
         recorded in the manifest (``periodic``, ``preempted``, ``final``...), so a
-        launcher can tell a preemption checkpoint from a regular one.
+        launcher can tell a preemption checkpoint from a regular one. ``meta`` (small,
+        JSON-able) goes into the manifest too, readable without loading the payload.
         """
         if step < 0:
             raise CheckpointError(f"step must be >= 0, got {step}")
@@ -251,7 +265,7 @@ class Checkpointer:
         ok, message = True, ""
         if _rank() == 0:
             try:
-                self._write(state, step, reason)
+                self._write(state, step, reason, dict(meta or {}))
                 self._rotate(keep_newest=path)
             except Exception as err:  # any failure must reach the other ranks, not hang them
                 ok = False
@@ -260,7 +274,9 @@ class Checkpointer:
         _agree(ok, message)
         return path
 
-    def _write(self, state: Mapping[str, Any], step: int, reason: str) -> None:
+    def _write(
+        self, state: Mapping[str, Any], step: int, reason: str, meta: dict[str, Any]
+    ) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._remove_temporaries()
         path = self.path_for(step)
@@ -286,13 +302,14 @@ class Checkpointer:
                 "world_size": _world_size(),
                 "reason": reason,
                 "saved_at": time.time(),
+                "meta": meta,
             }
             self._write_small(manifest_path, json.dumps(manifest, indent=1).encode())
             _fsync_dir(self.dir)
         finally:
             if tmp.exists():
                 tmp.unlink()
-        log.info(f"saved checkpoint {path} ({writer.size / 2**20:.1f} MiB, {reason})")
+        log.debug(f"saved checkpoint {path} ({writer.size / 2**20:.1f} MiB, {reason})")
 
     def _write_small(self, path: Path, data: bytes) -> None:
         tmp = self.dir / f".{path.name}{_TMP_MARK}{os.getpid()}"
@@ -351,6 +368,7 @@ class Checkpointer:
                 world_size=meta.get("world_size"),
                 reason=str(meta.get("reason", "periodic")),
                 saved_at=float(meta.get("saved_at", 0.0)),
+                meta=dict(meta.get("meta") or {}),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -567,17 +585,23 @@ def config_fingerprint(config: Any) -> str:
     return hashlib.sha256(_config_json(config).encode()).hexdigest()[:16]
 
 
-def _config_diff(saved_json: str, current_json: str) -> str:
-    saved, current = json.loads(saved_json), json.loads(current_json)
+def config_changes(saved: Any, current: Any) -> list[str]:
+    """``["model.hidden: [32] -> [64]", ...]``: the fields that differ between two
+    configs (dataclasses, mappings or their JSON text), flattened to dotted names."""
+    saved, current = (json.loads(c) if isinstance(c, str) else json.loads(_config_json(c))
+                      for c in (saved, current))
     if not (isinstance(saved, dict) and isinstance(current, dict)):
-        return "config differs"
+        return [] if saved == current else ["config differs"]
     flat_saved, flat_current = _flatten(saved), _flatten(current)
-    changed = [
+    return [
         f"{k}: {flat_saved.get(k, '<unset>')!r} -> {flat_current.get(k, '<unset>')!r}"
         for k in sorted(set(flat_saved) | set(flat_current))
         if flat_saved.get(k, "<unset>") != flat_current.get(k, "<unset>")
     ]
-    return _preview(changed)
+
+
+def _config_diff(saved_json: str, current_json: str) -> str:
+    return _preview(config_changes(saved_json, current_json)) or "config differs"
 
 
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -684,7 +708,9 @@ def restore_state(
         else:
             log.warning(
                 f"{source} was written by {saved_world} ranks, this run has {_world_size()}: "
-                "random streams start fresh (data order and model state are restored)"
+                "model, optimizer and data position are restored exactly, per-rank random "
+                "streams start fresh, and results differ in the last bits from an "
+                f"uninterrupted {saved_world}-rank run (gradients are summed in another order)"
             )
     return {
         "step": int(state.get("step", 0)),

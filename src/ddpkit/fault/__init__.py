@@ -4,7 +4,14 @@ Checkpointing lives in :mod:`ddpkit.checkpoint`; restarts after a dead worker co
 from torchrun's elastic agent (``ddpkit launch --max-restarts``).
 """
 
-from ddpkit.fault.hang import EXIT_HANG, HangError, ProgressBoard, RankProgress, Watchdog
+from ddpkit.fault.hang import (
+    EXIT_HANG,
+    HangError,
+    ProgressBoard,
+    RankProgress,
+    Watchdog,
+    set_collective_timeout,
+)
 from ddpkit.fault.preemption import DEFAULT_SIGNALS, EXIT_PREEMPTED, PreemptionGuard
 
 __all__ = [
@@ -16,4 +23,5 @@ __all__ = [
     "ProgressBoard",
     "RankProgress",
     "Watchdog",
+    "set_collective_timeout",
 ]

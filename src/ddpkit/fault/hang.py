@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +45,13 @@ log = get_logger(__name__)
 # Exit status of a process the backstop thread ends: the conventional "timed out".
 EXIT_HANG = 124
 _TIMEOUT_WORDS = ("timed out", "timeout", "connection", "closed", "reset by peer", "broken pipe")
+_PEER_LOST_WORDS = ("closed by peer", "reset by peer", "broken pipe", "connection closed")
+
+
+def _short(cause: str) -> str:
+    """The backend's words without its source location and advice sentences."""
+    cause = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", cause.strip())
+    return cause.split(". ")[0]
 
 
 class HangError(DdpkitError, RuntimeError):
@@ -120,6 +128,22 @@ class ProgressBoard:
         return [p for p in self.read() if p.seq < seq]
 
 
+def set_collective_timeout(seconds: float, group: dist.ProcessGroup | None = None) -> None:
+    """Change how long the backend lets one collective of ``group`` wait (gloo, nccl).
+
+    ``init_process_group``'s timeout also bounds the rendezvous, where ranks may start
+    seconds apart (each imports torch first): initialise with a generous timeout, then
+    tighten it for the training loop with this. Uses torch's ``_set_pg_timeout``.
+    """
+    if seconds <= 0:
+        raise ConfigError(f"collective timeout must be positive, got {seconds} s")
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:  # older torch: the watchdog's backstop thread still ends a hang
+        log.warning_once("this torch cannot change a process group's timeout after init")
+        return
+    setter(timedelta(seconds=seconds), group)
+
+
 class Watchdog:
     """Collective timeouts that name the missing ranks. Create on every rank.
 
@@ -160,11 +184,24 @@ class Watchdog:
 
     def _error(self, step: int, name: str, seq: int, waited: float, cause: str = "") -> HangError:
         late = self.board.behind(seq)
-        if late:
-            who = "; ".join(p.describe() for p in late)
+        lost = any(w in cause.lower() for w in _PEER_LOST_WORDS)
+        who = "; ".join(p.describe() for p in late)
+        if late and lost:
+            message = (
+                f"rank {self.board.rank} lost its connection at step {step} {name!r} to {who}: "
+                "that rank died or failed first (see its own error)"
+            )
+        elif late:
             message = (
                 f"rank {self.board.rank} waited {waited:.1f} s at step {step} {name!r} "
                 f"(timeout {self.timeout:g} s) for {who}"
+            )
+        elif lost:
+            # Every rank reached the point and a peer then hung up: that peer failed
+            # first (its own error names the cause); this rank is collateral.
+            message = (
+                f"rank {self.board.rank}: {name!r} at step {step} lost its connection to a "
+                "peer that had reached it too (that peer failed first; see its error)"
             )
         else:
             message = (
@@ -172,7 +209,7 @@ class Watchdog:
                 f"{self.timeout:g} s although every rank reached it (network or backend stall)"
             )
         if cause:
-            message += f" [backend: {cause}]"
+            message += f" [backend: {_short(cause)}]"
         return HangError(message, [p.rank for p in late])
 
     # ------------------------------------------------------------------ barrier

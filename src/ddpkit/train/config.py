@@ -14,6 +14,11 @@ A TOML file has one table per concern, with the dataclasses' field names::
     [train]
     epochs = 20
     batch_size = 128         # global: split over the ranks
+    [checkpoint]
+    every_steps = 50         # also at every epoch's end
+    keep = 3
+    [fault]
+    collective_timeout = 300 # seconds
 
 Every value is checked once, in :meth:`Config.validate`, so a bad value fails before
 any process starts, as one line naming the key and what is allowed.
@@ -68,6 +73,26 @@ class TrainConfig:
     out_dir: str = "runs"
     progress: bool = True  # tqdm bar on rank 0
     threads: int = 0  # torch threads per process; 0: cores shared evenly by local ranks
+    log_sample_ids: bool = False  # per-rank JSONL of the sample ids each step trained on
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints go to ``<run dir>/checkpoints``; one is written at every epoch's end
+    and, between epochs, every ``every_steps`` steps and/or ``every_seconds`` seconds."""
+
+    enabled: bool = True
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    keep: int = 3  # newest checkpoints kept; the newest good one is never deleted
+
+
+@dataclass
+class FaultConfig:
+    # Seconds any collective of the training loop may wait for the slowest rank before
+    # the run fails naming the ranks that did not arrive. None: the process group's
+    # default (10 minutes).
+    collective_timeout: float | None = None
 
 
 @dataclass
@@ -76,6 +101,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     # ------------------------------------------------------------- (de)serialize
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -144,7 +171,30 @@ class Config:
             raise bad("train.threads", f"must be >= 0, got {t.threads}")
         if not t.out_dir:
             raise bad("--out-dir", "must not be empty")
+        c = self.checkpoint
+        if c.every_steps is not None and c.every_steps < 1:
+            raise bad("--checkpoint-every-steps", f"must be >= 1, got {c.every_steps}")
+        if c.every_seconds is not None and not c.every_seconds > 0:
+            raise bad("--checkpoint-every-seconds", f"must be > 0, got {c.every_seconds}")
+        if c.keep < 1:
+            raise bad("--keep", f"must be >= 1 (checkpoints kept), got {c.keep}")
+        timeout = self.fault.collective_timeout
+        if timeout is not None and not timeout > 0:
+            raise bad("--collective-timeout", f"must be > 0 seconds, got {timeout}")
         return self
+
+    def identity(self) -> dict[str, Any]:
+        """The settings a checkpoint must agree with to be resumed under this config:
+        what shapes the model, the optimizer state and the data order. Epochs, output,
+        engine, threads, checkpoint and timeout settings may change on resume."""
+        d, t = self.data, self.train
+        return {
+            "data": {"name": d.name, "synthetic_size": d.synthetic_size,
+                     "drop_last": d.drop_last},
+            "model": dataclasses.asdict(self.model),
+            "optim": dataclasses.asdict(self.optim),
+            "train": {"seed": t.seed, "batch_size": t.batch_size},
+        }
 
 
 def _coerce(value: Any, current: Any, f: dataclasses.Field, key: str) -> Any:
@@ -218,14 +268,27 @@ CLI_FIELDS: dict[str, tuple[str, str]] = {
     "out_dir": ("train", "out_dir"),
     "threads": ("train", "threads"),
     "progress": ("train", "progress"),
+    "log_sample_ids": ("train", "log_sample_ids"),
+    "checkpoints": ("checkpoint", "enabled"),
+    "checkpoint_every_steps": ("checkpoint", "every_steps"),
+    "checkpoint_every_seconds": ("checkpoint", "every_seconds"),
+    "keep": ("checkpoint", "keep"),
+    "collective_timeout": ("fault", "collective_timeout"),
 }
 
 
 def resolve(
-    cli: dict[str, Any], config_file: str | os.PathLike | None = None
+    cli: dict[str, Any],
+    config_file: str | os.PathLike | None = None,
+    *,
+    base: dict[str, Any] | None = None,
+    base_source: str = "saved run config",
 ) -> Config:
-    """Defaults, overlaid by the TOML file, overlaid by the command line; validated."""
+    """Defaults, overlaid by ``base`` (a resumed run's own config), the TOML file and
+    the command line, in that order; validated."""
     cfg = Config()
+    if base is not None:
+        cfg.update(base, source=base_source)
     if config_file is not None:
         cfg.update(read_toml(config_file), source=f"--config {config_file}")
     overrides: dict[str, dict[str, Any]] = {}

@@ -46,6 +46,16 @@ class MetricSums:
     def local(self) -> Totals:
         return Totals(*self._sums.tolist())
 
+    def values(self) -> list[float]:
+        """The raw sums (loss, correct, count), e.g. for a checkpoint taken mid-epoch."""
+        return self._sums.tolist()
+
+    @classmethod
+    def from_values(cls, values: list[float], device: torch.device | str = "cpu") -> MetricSums:
+        sums = cls(device)
+        sums._sums.copy_(torch.tensor(values, dtype=torch.float64))
+        return sums
+
     def reduce(self, group: dist.ProcessGroup | None = None) -> Totals:
         """Sum over all ranks (a collective: every rank must call it)."""
         sums = self._sums.clone()

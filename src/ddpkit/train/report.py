@@ -21,6 +21,8 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "config.json"
 PLOT_FILE = "curves.png"
+MODEL_FILE = "model.pt"  # the final unwrapped state_dict, for users of the trained model
+CHECKPOINT_DIR = "checkpoints"
 
 
 def check_out_dir(out_dir: str | os.PathLike) -> Path:
@@ -65,6 +67,23 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with path.open("a") as fh:
         fh.write(json.dumps(_clean(record), sort_keys=True) + "\n")
         fh.flush()
+
+
+def write_jsonl(path: Path, records: Sequence[dict[str, Any]]) -> None:
+    """Replace a JSONL file with ``records`` in one atomic step (a resume rewrites the
+    metrics log to the epochs its checkpoint has seen)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(json.dumps(_clean(r), sort_keys=True) + "\n" for r in records))
+    os.replace(tmp, path)
+
+
+def save_model(state: dict[str, Any], path: Path) -> None:
+    """The trained weights, loadable with ``torch.load(path, weights_only=True)``."""
+    import torch
+
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

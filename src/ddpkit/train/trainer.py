@@ -14,15 +14,30 @@ last batch, so W processes take the same steps as one process would.
 Everything needed to continue the loop lives in :class:`LoopState` (epoch, step,
 sampler position, history); :meth:`Trainer.state_dict` adds the model and optimizer.
 That is the seam for checkpoint/resume, and ``step_callbacks`` run after every step.
+
+Fault tolerance (docs/checkpoints.md) is composed from ``ddpkit.checkpoint`` and
+``ddpkit.fault``, all at step boundaries, where every rank is at the same point:
+
+* after each step one tiny all-reduce (:meth:`PreemptionGuard.check`) agrees on "stop"
+  (a SIGTERM/SIGUSR1 reached some rank) and "save" (the step or time cadence is due on
+  some rank's clock); a checkpoint is written at every epoch's end as well;
+* :meth:`Trainer.restore` continues from the newest good checkpoint of the run
+  directory: model, optimizer, sampler position, per-rank RNG streams and the epoch's
+  partial metric sums, so the rest of the run is the uninterrupted run, bit for bit;
+* each collective runs inside a :class:`Watchdog` guard, so a rank that stops arriving
+  turns into a :class:`HangError` naming it, the step and the collective.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
+import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,13 +47,26 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ddpkit.checkpoint import (
+    Cadence,
+    Checkpointer,
+    CheckpointError,
+    collect_state,
+    config_changes,
+    config_fingerprint,
+    restore_state,
+)
 from ddpkit.data.datasets import ArrayDataset, load_dataset
 from ddpkit.data.partition import ShardBatch, ShardSampler
+from ddpkit.errors import ConfigError
+from ddpkit.fault import PreemptionGuard, ProgressBoard, Watchdog, set_collective_timeout
 from ddpkit.log import get_logger
+from ddpkit.runtime import DEFAULT_TIMEOUT
 from ddpkit.train import report
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums, gather_floats
 from ddpkit.train.models import build_model
+from ddpkit.train.sample_log import SampleLog, truncate_sample_logs
 from ddpkit.world import World
 
 log = get_logger(__name__)
@@ -100,7 +128,13 @@ class Trainer:
 
     ``run_dir``: where rank 0 writes results; None makes a new one under
     ``cfg.train.out_dir`` (rank 0 creates it, the others learn its name). Pass
-    ``write=False`` to keep everything in memory (tests, verify).
+    ``write=False`` to keep everything in memory (tests, verify): no files, no
+    checkpoints, no signal handling.
+
+    Checkpoints go to ``<run_dir>/checkpoints`` (``cfg.checkpoint``); call
+    :meth:`restore` before :meth:`fit` to continue from the newest one. After ``fit``,
+    ``preempted`` says whether a stop signal ended the run early (a checkpoint holds
+    its position).
     """
 
     def __init__(
@@ -144,22 +178,83 @@ class Trainer:
         self.loop = LoopState(sampler=self.sampler.state_dict())
         self.step_callbacks: list[Callable[[Trainer], None]] = []
         self.write = write
-        self.run_dir = self._make_run_dir(run_dir) if write else None
+        run_dir, token = self._agree_on_run(run_dir)
+        self.run_dir = Path(run_dir) if write else None
+
+        c = cfg.checkpoint
+        self.checkpointer = (Checkpointer(self.run_dir / report.CHECKPOINT_DIR, keep=c.keep)
+                             if write and c.enabled else None)
+        self.cadence = Cadence(c.every_steps, c.every_seconds)
+        self.preemption = PreemptionGuard(device=self.device)
+        self.preempted = False  # set when a stop signal ended fit() early
+        self.watchdog = None
+        if dist.is_initialized():
+            timeout = cfg.fault.collective_timeout or DEFAULT_TIMEOUT.total_seconds()
+            board = ProgressBoard(prefix=f"ddpkit/progress/{token}")
+            self.watchdog = Watchdog(timeout, board=board)
+        self.sample_log = (SampleLog(self.run_dir, world.rank)
+                           if write and t.log_sample_ids else None)
+        # Running metric sums of the epoch in progress (checkpointed mid-epoch).
+        self._sums: MetricSums | None = None
+        self._resumed_sums: MetricSums | None = None
 
     # ------------------------------------------------------------------ setup
-    def _make_run_dir(self, run_dir: str | os.PathLike | None) -> Path:
-        if run_dir is not None:
-            path = Path(run_dir)
-            if self.world.is_main:
-                path.mkdir(parents=True, exist_ok=True)
-            return path
-        name = [None]
-        if self.world.is_main:
-            tag = f"{self.cfg.data.name}-{self.cfg.model.name}-w{self.world.world_size}"
-            name[0] = str(report.new_run_dir(self.cfg.train.out_dir, tag))
+    def _agree_on_run(self, run_dir: str | os.PathLike | None) -> tuple[str | None, str]:
+        """Rank 0 creates the run directory (unless ``write=False``) and picks a token
+        naming this run's progress keys in the store; every rank learns both, or every
+        rank raises rank 0's error (none is left waiting)."""
+        proposal: list[str | None] = [None, uuid.uuid4().hex[:12], None]
+        if self.world.is_main and self.write:
+            try:
+                if run_dir is not None:
+                    Path(run_dir).mkdir(parents=True, exist_ok=True)
+                    proposal[0] = str(run_dir)
+                else:
+                    tag = f"{self.cfg.data.name}-{self.cfg.model.name}-w{self.world.world_size}"
+                    proposal[0] = str(report.new_run_dir(self.cfg.train.out_dir, tag))
+            except ConfigError as err:
+                proposal[2] = str(err)
+            except OSError as err:
+                proposal[2] = f"run directory {run_dir}: cannot create it ({err.strerror or err})"
         if dist.is_initialized() and self.world.world_size > 1:
-            dist.broadcast_object_list(name, src=0)
-        return Path(name[0])
+            dist.broadcast_object_list(proposal, src=0)
+        if proposal[2] is not None:
+            raise ConfigError(proposal[2])
+        return proposal[0], proposal[1]
+
+    def _guard(self, step: int, name: str) -> contextlib.AbstractContextManager:
+        return self.watchdog.guard(step, name) if self.watchdog else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _patient(self) -> Iterator[None]:
+        """Checkpoint I/O may outlast a tight collective timeout: relax it meanwhile."""
+        short = self.cfg.fault.collective_timeout
+        if short is None or not dist.is_initialized():
+            yield
+            return
+        set_collective_timeout(max(short, DEFAULT_TIMEOUT.total_seconds()))
+        try:
+            yield
+        finally:
+            set_collective_timeout(short)
+
+    @contextlib.contextmanager
+    def _fault_handling(self) -> Iterator[None]:
+        """Around fit(): signal handlers, the tight collective timeout, the watchdog."""
+        with contextlib.ExitStack() as stack:
+            main_thread = threading.current_thread() is threading.main_thread()
+            if self.checkpointer is not None and main_thread:
+                # A stop signal is only worth catching when a checkpoint can keep the work.
+                stack.enter_context(self.preemption)
+            short = self.cfg.fault.collective_timeout
+            if short is not None and dist.is_initialized():
+                set_collective_timeout(short)
+                stack.callback(set_collective_timeout, DEFAULT_TIMEOUT.total_seconds())
+            if self.watchdog is not None:
+                stack.callback(self.watchdog.close)
+            if self.sample_log is not None:
+                stack.callback(self.sample_log.close)
+            yield
 
     @property
     def num_parameters(self) -> int:
@@ -167,16 +262,103 @@ class Trainer:
 
     # ------------------------------------------------------------------ state (resume seam)
     def state_dict(self) -> dict[str, Any]:
+        """This rank's state (in memory): model, optimizer, loop, epoch's metric sums."""
         self.loop.sampler = self.sampler.state_dict()
         return {"model": unwrap(self.model).state_dict(),
                 "optimizer": self.optimizer.state_dict(),
-                "loop": self.loop.state_dict()}
+                "loop": self.loop.state_dict(),
+                "epoch_sums": self._sums.values() if self._sums else [0.0, 0.0, 0.0]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.loop.load_state_dict(state["loop"])
         self.sampler.load_state_dict(self.loop.sampler)
+        if "epoch_sums" in state:
+            self._resumed_sums = MetricSums.from_values(state["epoch_sums"], self.device)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, reason: str = "periodic") -> Path:
+        """Collective: write the job's state as a checkpoint of the current step."""
+        if self.checkpointer is None:
+            raise ConfigError("checkpoints are disabled for this trainer (--no-checkpoints)")
+        identity = self.cfg.identity()
+        with self._guard(self.loop.step, "checkpoint"), self._patient():
+            mine = self._sums.values() if self._sums else [0.0, 0.0, 0.0]
+            state = collect_state(
+                model=self.model, optimizer=self.optimizer, step=self.loop.step,
+                epoch=self.loop.epoch, config=identity,
+                extra={"loop": self.state_dict()["loop"],
+                       "epoch_sums": _gather_lists(mine, self.device)},
+            )
+            path = self.checkpointer.save(
+                state, self.loop.step, reason=reason,
+                meta={"epoch": self.loop.epoch, "fingerprint": config_fingerprint(identity),
+                      "config": identity},
+            )
+        self.cadence.saved()
+        if reason in ("final", "preempted"):
+            log.info(f"checkpoint of step {self.loop.step} ({reason}): {path}")
+        return path
+
+    def restore(self, *, required: bool = False) -> dict[str, Any] | None:
+        """Collective: continue from the newest good checkpoint of the run directory.
+
+        Returns what :func:`ddpkit.checkpoint.restore_state` reports, or None when there
+        is nothing to resume (an error instead with ``required=True``). A checkpoint
+        written under other model, optimizer or data settings is refused, naming them.
+        At another world size the data position and optimizer are restored exactly and
+        per-rank random streams start fresh (one warning).
+        """
+        if self.checkpointer is None:
+            raise ConfigError("cannot resume with checkpoints disabled (--no-checkpoints)")
+        with self._patient():
+            state = self.checkpointer.load_latest()
+        if state is None:
+            if required:
+                raise CheckpointError(
+                    f"no usable checkpoint in {self.checkpointer.dir}; nothing to resume"
+                )
+            log.warning(f"no checkpoint in {self.checkpointer.dir} yet: starting from step 0")
+            self._sync_logs()
+            return None
+        source = f"checkpoint of step {state.get('step')}"
+        extra = state.get("extra") or {}
+        if "config" not in state or "loop" not in extra:
+            raise CheckpointError(f"{source} was not written by ddpkit train; cannot resume it")
+        changes = config_changes(state["config"], self.cfg.identity())
+        if changes:
+            raise CheckpointError(
+                f"{source} in {self.checkpointer.dir} was written with other settings "
+                f"({'; '.join(changes)}); resume with the run's own settings (leave those "
+                "options out) or start a new run"
+            )
+        info = restore_state(state, model=self.model, optimizer=self.optimizer, source=source)
+        self.loop.load_state_dict(extra["loop"])
+        self.sampler.load_state_dict(self.loop.sampler)
+        sums = extra.get("epoch_sums") or []
+        if len(sums) == self.world.world_size:
+            mine = sums[self.world.rank]
+        else:  # other world size: the epoch's job-wide totals stay exact on rank 0
+            mine = [sum(col) for col in zip(*sums)] if self.world.is_main and sums else [0.0] * 3
+        self._resumed_sums = MetricSums.from_values(list(mine), self.device)
+        self._sync_logs()
+        log.info(f"resumed at step {self.loop.step} (epoch {self.loop.epoch + 1}, sample "
+                 f"{self.sampler.position} of {len(self.train_set)}) from {source}")
+        return info
+
+    def _sync_logs(self) -> None:
+        """Make the run's logs describe exactly the steps that led to the current state:
+        lines of steps past it are replayed after a resume and would count twice."""
+        if not self.write:
+            return
+        if self.world.is_main:
+            path = self.run_dir / report.METRICS_FILE
+            if path.exists() or self.loop.history:
+                report.write_jsonl(path, self.loop.history)
+            truncate_sample_logs(self.run_dir, self.loop.step)
+        if dist.is_initialized() and self.world.world_size > 1:
+            dist.barrier()  # nobody appends before rank 0 has cut the logs
 
     # ------------------------------------------------------------------ steps
     def train_epoch(self) -> dict[str, Any]:
@@ -187,34 +369,69 @@ class Trainer:
         # A state saved right after an epoch's last step has the sampler already in the
         # next epoch (position 0): that epoch's training is done, only evaluation is left.
         batches = self.sampler.batches() if self.sampler.epoch == epoch else iter(())
-        sums = MetricSums(self.device)
+        # Resumed mid-epoch: the sums continue where the checkpoint left them.
+        sums = self._resumed_sums or MetricSums(self.device)
+        self._sums, self._resumed_sums = sums, None
         total = len(self.train_set) if self.sampler.position == 0 else None
         bar = self._progress(epoch, total)
         start = time.perf_counter()
         seen = 0
         for batch in batches:
-            self.train_step(batch, sums)
+            with self._guard(self.loop.step + 1, "train_step"):
+                self.train_step(batch, sums)
             self.loop.step += 1
             self.loop.sampler = self.sampler.state_dict()
+            if self.sample_log is not None:
+                self.sample_log.write(self.loop.step, epoch, batch.indices[: batch.num_real])
             seen += batch.global_num_real
             if bar is not None:
                 bar.update(batch.global_num_real)
             for callback in self.step_callbacks:
                 callback(self)
+            if self._at_step_boundary(epoch_done=self.sampler.epoch != epoch):
+                break
         seconds = time.perf_counter() - start
         if bar is not None:
             bar.close()
-        totals = sums.reduce()
-        mine = sums.local()
+        if self.preempted:  # every rank stopped at this step; the epoch is not over
+            return {}
+        with self._guard(self.loop.step, "train_metrics"):
+            totals = sums.reduce()
+            mine = sums.local()
+            rank_loss = gather_floats(mine.loss, self.device)
+            rank_samples = [int(v) for v in gather_floats(mine.count, self.device)]
+        self._sums = None
         return {
             "train_loss": totals.loss,
             "train_acc": totals.accuracy,
             "train_samples": int(totals.count),
-            "rank_train_loss": gather_floats(mine.loss, self.device),
-            "rank_train_samples": [int(v) for v in gather_floats(mine.count, self.device)],
+            "rank_train_loss": rank_loss,
+            "rank_train_samples": rank_samples,
             "train_time_s": seconds,
             "samples_per_s": seen / seconds if seconds > 0 else float("nan"),
         }
+
+    def _at_step_boundary(self, epoch_done: bool) -> bool:
+        """Agree on stop/save after a step (collective); True: stop now.
+
+        At an epoch's last step nothing is written here: the epoch-end checkpoint
+        follows right after evaluation and carries the epoch's record, so a stop
+        requested there waits for it.
+        """
+        if self.checkpointer is None:
+            return False
+        step = self.loop.step
+        with self._guard(step, "step_check"):
+            stop, save = self.preemption.check(step, save_due=self.cadence.due(step))
+        if epoch_done:
+            return False
+        if stop:
+            self.save_checkpoint("preempted")
+            self.preempted = True
+            return True
+        if save:
+            self.save_checkpoint("periodic")
+        return False
 
     def train_step(self, batch: ShardBatch, sums: MetricSums) -> None:
         x, y = self.train_set.batch(batch.indices)
@@ -240,7 +457,8 @@ class Trainer:
             x, y = self.test_set.batch(batch.indices[: batch.num_real])
             out = model(x)
             sums.add(F.nll_loss(out, y, reduction="none"), out.argmax(dim=1) == y)
-        totals = sums.reduce()
+        with self._guard(self.loop.step, "test_metrics"):
+            totals = sums.reduce()
         model.train()
         return {"test_loss": totals.loss, "test_acc": totals.accuracy,
                 "test_samples": int(totals.count)}
@@ -259,18 +477,35 @@ class Trainer:
                 f"{self.world.world_size} rank(s) x {self.sampler.local_batch_size} = global batch "
                 f"{t.batch_size}, engine {self.engine}"
             )
-        while self.loop.epoch < t.epochs:
-            record = {"epoch": self.loop.epoch + 1}
-            record.update(self.train_epoch())
-            record.update(self.evaluate())
-            record["step"] = self.loop.step
-            record["time_s"] = time.perf_counter() - started
-            self.loop.history.append(record)
-            self.loop.epoch += 1
-            self._report_epoch(record)
+        with self._fault_handling():
+            while self.loop.epoch < t.epochs:
+                record = {"epoch": self.loop.epoch + 1}
+                record.update(self.train_epoch())
+                if self.preempted:
+                    break
+                record.update(self.evaluate())
+                record["step"] = self.loop.step
+                record["time_s"] = time.perf_counter() - started
+                self.loop.history.append(record)
+                self.loop.epoch += 1
+                self._report_epoch(record)
+                if self.checkpointer is not None:
+                    stop = self.preemption.stopped_by is not None
+                    last = self.loop.epoch == t.epochs
+                    self.save_checkpoint("preempted" if stop else "final" if last else "epoch")
+                    if stop:
+                        self.preempted = True
+                        break
         summary = self._summary(time.perf_counter() - started)
+        if self.preempted:
+            summary["preempted"] = True
+            if self.write:
+                log.warning(f"stopped by a signal at step {self.loop.step}; checkpoint saved; "
+                            f"resume with: ddpkit train --resume {self.run_dir}")
+            return summary
         if self.write and self.world.is_main:
             report.write_json(self.run_dir / report.SUMMARY_FILE, summary)
+            report.save_model(unwrap(self.model).state_dict(), self.run_dir / report.MODEL_FILE)
             report.plot_curves(self.loop.history, self.run_dir / report.PLOT_FILE,
                                title=f"{self.cfg.data.name} / {self.cfg.model.name}, "
                                      f"{self.world.world_size} ranks")
@@ -341,6 +576,16 @@ class _LineWriter:
 
     def flush(self) -> None:
         self.stream.flush()
+
+
+def _gather_lists(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's short list of floats, by rank (a collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
 
 
 def _to_device(ds: ArrayDataset, device: torch.device) -> ArrayDataset:

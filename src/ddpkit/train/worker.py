@@ -1,10 +1,19 @@
 """One training process: ``python -m ddpkit.train.worker [train options]``.
 
-``ddpkit train`` starts this on every rank with the already resolved configuration;
-it also runs directly under any launcher, e.g.
+``ddpkit train`` starts this on every rank with the already resolved configuration and
+the run directory (so that restarted workers find their checkpoints); it also runs
+directly under any launcher, e.g.
 ``torchrun --nproc-per-node 2 -m ddpkit.train.worker --epochs 5``.
 The entry is wrapped with torch.distributed.elastic's ``@record``, so a crash lands in
 torchrun's error file and its summary names the failing rank.
+
+Restarts: torchrun's agent restarts every worker when one fails
+(``--max-restarts``) and says which attempt this is in ``TORCHELASTIC_RESTART_COUNT``;
+a restarted worker continues from the newest checkpoint of its run directory.
+Exit status: 0 when done *or* stopped by a signal under torchrun (a non-zero exit
+would make the agent restart the job on an allocation that is going away; ``ddpkit
+train`` reports the preemption itself), :data:`EXIT_PREEMPTED` when stopped by a
+signal with no agent (srun, mpirun), 2 on a user error, :data:`EXIT_HANG` on a hang.
 """
 
 from __future__ import annotations
@@ -13,44 +22,88 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpkit.errors import DdpkitError
+from ddpkit.fault import EXIT_HANG, EXIT_PREEMPTED, HangError
 from ddpkit.train.config import Config
 
 
-def run_worker(cfg: Config) -> int:
-    """Join the job's process group, train, always tear down."""
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What this worker process is asked to do, read once at its entry."""
+
+    run_dir: Path | None = None  # None: rank 0 makes a new one under --out-dir
+    resume: bool = False  # continue from the run directory's newest checkpoint (required)
+    restart_count: int = 0  # torchrun's attempt number: > 0 continues from a checkpoint
+    under_agent: bool = False  # started by torchrun's agent (the agent reports preemption)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], run_dir: str | os.PathLike | None,
+                 resume: bool) -> WorkerPlan:
+        return cls(run_dir=Path(run_dir) if run_dir else None, resume=resume,
+                   restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                   under_agent="TORCHELASTIC_RUN_ID" in env)
+
+
+def run_worker(cfg: Config, plan: WorkerPlan | None = None,
+               env: Mapping[str, str] | None = None) -> int:
+    """Join the job's process group, train (or continue), always tear down."""
     import torch.distributed as dist
 
     from ddpkit.runtime import distributed
+    from ddpkit.train import inject
     from ddpkit.train.trainer import Trainer
 
+    plan = plan or WorkerPlan()
     with distributed() as world:
-        Trainer(cfg, world).fit()
+        trainer = Trainer(cfg, world, run_dir=plan.run_dir)
+        inject.install(trainer, env or {}, plan.restart_count)
+        if plan.resume or plan.restart_count > 0:
+            trainer.restore(required=plan.resume)
+        trainer.fit()
         # Leave together: a rank that tears down gloo while rank 0 still writes the
         # summary and plot can abort in gloo's destructor.
         dist.barrier()
+    if trainer.preempted and not plan.under_agent:
+        return EXIT_PREEMPTED
     return 0
 
 
-def parse(argv: list[str] | None) -> Config:
-    from ddpkit.commands.train import add_train_options, config_from_args
+def parse(argv: list[str] | None) -> tuple[Config, WorkerPlan]:
+    from ddpkit.commands.train import add_run_options, add_train_options, config_from_args
+    from ddpkit.train.resume import find_run_dir
 
     p = argparse.ArgumentParser(prog="python -m ddpkit.train.worker")
     add_train_options(p)
+    add_run_options(p)
     p.add_argument("--resolved-config", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    resume_dir = None
+    if args.resume is not None:
+        resume_dir = find_run_dir(args.resume, args.out_dir or Config().train.out_dir)
     if args.resolved_config is not None:
-        return Config.from_dict(json.loads(args.resolved_config), source="ddpkit train").validate()
-    return config_from_args(args)
+        cfg = Config.from_dict(json.loads(args.resolved_config), source="ddpkit train")
+        cfg.validate()
+    else:
+        cfg = config_from_args(args, resume_dir)
+    plan = WorkerPlan.from_env(os.environ, resume_dir or args.run_dir, resume_dir is not None)
+    return cfg, plan
 
 
 @record
 def main(argv: list[str] | None = None) -> int:
     try:
-        return run_worker(parse(argv))
+        cfg, plan = parse(argv)
+        return run_worker(cfg, plan, os.environ)
+    except HangError as err:
+        # Only this rank knows what it waited for: every rank that times out says so.
+        print(f"ddpkit train: error: {err}", file=sys.stderr, flush=True)
+        return EXIT_HANG
     except DdpkitError as err:
         # Every rank hits the same user error: one line per node is enough.
         if os.environ.get("LOCAL_RANK", "0") == "0":

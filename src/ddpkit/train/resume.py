@@ -1,0 +1,101 @@
+"""The launcher's side of resuming: which run, whether it can be resumed, how it ended.
+
+``ddpkit train`` answers these before any worker starts (a mistake is one line and
+nothing in the run directory changes) and after the workers exit (a preempted run
+exits with :data:`~ddpkit.fault.EXIT_PREEMPTED` and says how to continue). The
+workers check again for themselves (:meth:`Trainer.restore`), so a worker started
+by another launcher is just as safe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ddpkit.checkpoint import Checkpointer, CheckpointError, CheckpointInfo, config_changes
+from ddpkit.errors import ConfigError
+from ddpkit.train import report
+from ddpkit.train.config import Config
+from ddpkit.train.report import CHECKPOINT_DIR
+
+LATEST = ""  # `--resume` given without a directory: the newest run under --out-dir
+
+
+def _checkpoints(run_dir: Path) -> Checkpointer:
+    return Checkpointer(run_dir / CHECKPOINT_DIR, keep=None, create=False)
+
+
+def find_run_dir(resume: str, out_dir: str | os.PathLike) -> Path:
+    """The run directory ``--resume`` means: the given one (a run directory or its
+    ``checkpoints`` folder), or with no value the run under ``out_dir`` whose newest
+    checkpoint is the most recent."""
+    if resume != LATEST:
+        path = Path(resume)
+        if not path.is_dir():
+            raise ConfigError(f"--resume {path}: no such directory; give a run directory "
+                              f"(e.g. runs/<name>) or --resume alone for the newest run")
+        if path.name == CHECKPOINT_DIR and not (path / CHECKPOINT_DIR).exists():
+            path = path.parent
+        return path
+    out = Path(out_dir)
+    newest: tuple[float, Path] | None = None
+    if out.is_dir():
+        for run in out.iterdir():
+            if not (run / CHECKPOINT_DIR).is_dir():
+                continue
+            for info in _checkpoints(run).checkpoints():
+                if newest is None or info.saved_at > newest[0]:
+                    newest = (info.saved_at, run)
+    if newest is None:
+        raise ConfigError(f"--resume: no run with checkpoints under {out}; "
+                          "give the run directory: --resume runs/<name>")
+    return newest[1]
+
+
+def read_run_config(run_dir: Path) -> dict[str, Any]:
+    """The resumed run's own settings (its ``config.json``), the base under the
+    ``--config`` file and the command line."""
+    path = run_dir / report.CONFIG_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--resume {run_dir}: no {report.CONFIG_FILE}; "
+                          "is it a run directory of ddpkit train?") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--resume {run_dir}: cannot read {path.name} ({err})") from None
+    return {k: v for k, v in raw.items() if isinstance(v, dict)}  # drop world_size etc.
+
+
+def check_resumable(run_dir: Path, cfg: Config) -> CheckpointInfo:
+    """The checkpoint a resume will start from, or one clear error; reads only."""
+    ckpt = _checkpoints(run_dir)
+    if not ckpt.checkpoints():
+        raise CheckpointError(
+            f"--resume {run_dir}: no checkpoint in {ckpt.dir} (the run was started with "
+            "--no-checkpoints, or stopped before its first checkpoint); nothing to resume"
+        )
+    info = ckpt.latest()  # warns about each damaged checkpoint it skips
+    if info is None:
+        raise CheckpointError(
+            f"--resume {run_dir}: every checkpoint in {ckpt.dir} is damaged (see the "
+            "warnings above); nothing to resume"
+        )
+    saved = info.meta.get("config")
+    changes = config_changes(saved, cfg.identity()) if saved is not None else []
+    if changes:
+        raise CheckpointError(
+            f"--resume {run_dir}: its checkpoint {info.name} was written with other settings "
+            f"({'; '.join(changes)}); leave those options out to resume, or start a new run"
+        )
+    return info
+
+
+def preempted_since(run_dir: Path, since: float) -> CheckpointInfo | None:
+    """The newest checkpoint if a stop signal wrote it after ``since`` (a time.time())."""
+    found = _checkpoints(run_dir).checkpoints()
+    newest = max(found, key=lambda info: info.saved_at, default=None)
+    if newest is not None and newest.reason == "preempted" and newest.saved_at >= since:
+        return newest
+    return None
