@@ -1,0 +1,177 @@
+"""Bad input to `ddpkit train` (docs/bad-inputs.md): one line, exit 2, nothing started,
+nothing in an existing run directory changed. All caught before any process launches,
+so these run in-process."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ddpkit import cli
+from ddpkit.train.config import Config, resolve
+from ddpkit.train.resume import check_resumable
+from ddpkit.world import World
+
+RUN = {"data": "synthetic", "synthetic_size": 200, "batch_size": 32, "epochs": 1,
+       "hidden": [8], "threads": 1, "progress": False, "checkpoint_every_steps": 3}
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> Path:
+    """A finished one-process run (checkpoints at steps 3, 6 and 7), made in-process
+    without a process group."""
+    from ddpkit.train.trainer import Trainer
+
+    run = tmp_path_factory.mktemp("small") / "run"
+    cfg = resolve(RUN)
+    Trainer(cfg, World(), run_dir=run, wrap=lambda module, engine, device: module).fit()
+    return run
+
+
+@pytest.fixture
+def run_copy(small_run, tmp_path) -> Path:
+    return Path(shutil.copytree(small_run, tmp_path / "run"))
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _fails_in_one_line(capsys, argv: list[str], *needles: str) -> str:
+    code = cli.main(["train", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    last = err.splitlines()[-1]
+    assert last.startswith("ddpkit train: error: "), err
+    for needle in needles:
+        assert needle in last, last
+    return err
+
+
+# ---------------------------------------------------------------- data, config, output
+@pytest.mark.parametrize("layout,needle", [
+    ("missing", "not a directory"),
+    ("a_file", "not a directory"),
+    ("empty", "MNIST file train-images-idx3-ubyte (or train-images-idx3-ubyte.gz) not found"),
+    ("unreadable", "train-images-idx3-ubyte.gz is not a valid IDX file (cannot read it"),
+])
+def test_unreadable_data_dir(capsys, tmp_path, layout, needle):
+    data = tmp_path / "mnist"
+    if layout == "a_file":
+        data.write_text("not a directory")
+    elif layout in ("empty", "unreadable"):
+        data.mkdir()
+    if layout == "unreadable":
+        for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                     "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+            (data / f"{stem}.gz").write_bytes(b"this is not gzip")
+    out = tmp_path / "runs"
+    _fails_in_one_line(capsys, ["--data", "mnist", "--data-dir", str(data), "--model", "net",
+                                "--out-dir", str(out)], needle)
+    assert not out.exists() or not any(out.iterdir())  # no run directory was made
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--checkpoint-every-steps", "0"], "--checkpoint-every-steps must be >= 1, got 0"),
+    (["--checkpoint-every-seconds", "-5"], "--checkpoint-every-seconds must be > 0, got -5.0"),
+    (["--keep", "0"], "--keep must be >= 1 (checkpoints kept), got 0"),
+    (["--collective-timeout", "0"], "--collective-timeout must be > 0 seconds, got 0.0"),
+    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--hidden", "0"], "--hidden must be positive integers, got [0]"),
+])
+def test_invalid_config_values(capsys, tmp_path, argv, needle):
+    out = tmp_path / "runs"
+    _fails_in_one_line(capsys, ["--out-dir", str(out), *argv], needle)
+    assert not out.exists()
+
+
+def test_invalid_value_in_config_file(capsys, tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("[checkpoint]\nkeep = \"all\"\n")
+    _fails_in_one_line(capsys, ["--config", str(toml)], "checkpoint.keep must be an integer")
+
+
+@pytest.mark.parametrize("where", ["proc", "under_a_file"])
+def test_unwritable_output_dir(capsys, tmp_path, where):
+    (tmp_path / "afile").write_text("x")
+    out = "/proc/ddpkit-runs" if where == "proc" else str(tmp_path / "afile" / "runs")
+    _fails_in_one_line(capsys, ["--out-dir", out], f"--out-dir {out}: cannot create it")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_run_dir_that_holds_a_run_is_not_reused(capsys, small_run):
+    before = _snapshot(small_run)
+    _fails_in_one_line(capsys, ["--run-dir", str(small_run)], "already exists and is not empty",
+                       f"--resume {small_run}")
+    assert _snapshot(small_run) == before
+
+
+# ---------------------------------------------------------------- resume
+@pytest.mark.parametrize("argv,needle", [
+    (["--hidden", "64"], "model.hidden: [8] -> [64]"),
+    (["--model", "toy"], "model.name: 'mlp' -> 'toy'"),
+    (["--lr", "0.5", "--seed", "3"], "optim.lr: 0.1 -> 0.5; train.seed: 1234 -> 3"),
+])
+def test_resume_with_other_model_or_settings_names_them(capsys, small_run, argv, needle):
+    before = _snapshot(small_run)
+    _fails_in_one_line(capsys, ["--resume", str(small_run), *argv],
+                       "was written with other settings", needle, "leave those options out")
+    assert _snapshot(small_run) == before
+
+
+def test_corrupt_latest_checkpoint_falls_back_with_a_warning(run_copy, caplog):
+    newest = run_copy / "checkpoints" / "step_000000007.pt"
+    newest.write_bytes(newest.read_bytes()[:-10])  # truncated
+    with caplog.at_level(logging.WARNING, logger="ddpkit"):
+        info = check_resumable(run_copy, resolve({}, base=_saved_config(run_copy)))
+    assert info.step == 6
+    assert "truncated" in caplog.text and "falling back to step_000000006.pt" in caplog.text
+
+
+def test_every_checkpoint_damaged_is_one_error(capsys, caplog, run_copy):
+    for payload in (run_copy / "checkpoints").glob("*.pt"):
+        payload.write_bytes(b"garbage")
+    before = _snapshot(run_copy)
+    with caplog.at_level(logging.WARNING, logger="ddpkit"):
+        _fails_in_one_line(capsys, ["--resume", str(run_copy)],
+                           "every checkpoint in", "is damaged", "nothing to resume")
+    assert caplog.text.count("skipping checkpoint") == 3  # each one named in a warning first
+    assert _snapshot(run_copy) == before
+
+
+def test_resume_of_a_run_without_checkpoints(capsys, run_copy):
+    shutil.rmtree(run_copy / "checkpoints")
+    before = _snapshot(run_copy)
+    _fails_in_one_line(capsys, ["--resume", str(run_copy)], "no checkpoint in",
+                       "nothing to resume")
+    assert _snapshot(run_copy) == before
+    assert not (run_copy / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("what,needle", [
+    ("missing", "no such directory"),
+    ("not_a_run", "no config.json; is it a run directory of ddpkit train?"),
+    ("latest_of_nothing", "--resume: no run with checkpoints under"),
+])
+def test_resume_of_something_that_is_not_a_run(capsys, tmp_path, what, needle):
+    (tmp_path / "runs").mkdir()
+    argv = {"missing": ["--resume", str(tmp_path / "nope")],
+            "not_a_run": ["--resume", str(tmp_path / "runs")],
+            "latest_of_nothing": ["--out-dir", str(tmp_path / "runs"), "--resume"]}[what]
+    _fails_in_one_line(capsys, argv, needle)
+    assert list((tmp_path / "runs").iterdir()) == []
+
+
+def _saved_config(run: Path) -> dict:
+    from ddpkit.train.resume import read_run_config
+
+    return read_run_config(run)
+
+
+def test_saved_config_round_trips():
+    assert Config.from_dict(resolve(RUN).to_dict()).identity() == resolve(RUN).identity()
