@@ -175,3 +175,9 @@ def _saved_config(run: Path) -> dict:
 
 def test_saved_config_round_trips():
     assert Config.from_dict(resolve(RUN).to_dict()).identity() == resolve(RUN).identity()
+
+
+def test_resume_and_run_dir_together(capsys, small_run, tmp_path):
+    _fails_in_one_line(capsys, ["--resume", str(small_run), "--run-dir", str(tmp_path / "d")],
+                       "--resume and --run-dir: give one")
+    assert not (tmp_path / "d").exists()
