@@ -311,7 +311,11 @@ class Trainer:
         per-rank random streams start fresh (one warning).
         """
         if self.checkpointer is None:
-            raise ConfigError("cannot resume with checkpoints disabled (--no-checkpoints)")
+            if required or not self.write:
+                raise ConfigError("cannot resume with checkpoints disabled (--no-checkpoints)")
+            log.warning("checkpoints are disabled (--no-checkpoints): starting from step 0")
+            self._sync_logs()
+            return None
         with self._patient():
             state = self.checkpointer.load_latest()
         if state is None:
