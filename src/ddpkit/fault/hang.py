@@ -183,7 +183,18 @@ class Watchdog:
         return self.board.behind()
 
     def _error(self, step: int, name: str, seq: int, waited: float, cause: str = "") -> HangError:
-        late = self.board.behind(seq)
+        try:
+            late = self.board.behind(seq)
+        except (RuntimeError, dist.DistError) as err:
+            # The store itself is gone (its host, often rank 0, died): nobody to name.
+            message = (
+                f"rank {self.board.rank}: {name!r} at step {step} failed and the job's store "
+                f"is unreachable ({_short(str(err))}); the rank hosting it (usually rank 0) "
+                "probably died first (see its error)"
+            )
+            if cause:
+                message += f" [backend: {_short(cause)}]"
+            return HangError(message, [])
         lost = any(w in cause.lower() for w in _PEER_LOST_WORDS)
         who = "; ".join(p.describe() for p in late)
         if late and lost:
