@@ -86,3 +86,65 @@ def test_multinode_argv_marks_local_endpoint_as_host():
         torchrun_argv(LaunchOptions(nnodes="2"), 1)
     with pytest.raises(ConfigError, match="not HOST:PORT"):
         torchrun_argv(LaunchOptions(nnodes="2", rdzv_endpoint="nohostport"), 1)
+
+
+def _failure(exitcode, timestamp=100, message=""):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, message=message)
+
+
+def test_root_cause_is_the_killed_rank_not_the_survivor_the_agent_stopped():
+    from ddpkit.launch import root_cause
+
+    # rank 1 was SIGKILLed; the agent then SIGTERMed rank 0 in the same second.
+    rank, _ = root_cause({0: _failure(-15), 1: _failure(-9)})
+    assert rank == 1
+
+
+def test_root_cause_prefers_the_raiser_over_peers_that_lost_it():
+    from ddpkit.launch import root_cause
+
+    failures = {0: _failure(1, message="DistBackendError: Connection closed by peer"),
+                1: _failure(1, message="ValueError: bad batch"),
+                2: _failure(-15)}
+    assert root_cause(failures)[0] == 1
+    # An earlier failure still wins over a later one, whatever its kind.
+    failures[0] = _failure(1, timestamp=99, message="Connection closed by peer")
+    assert root_cause(failures)[0] == 0
+
+
+def test_rendezvous_port_in_use_is_one_line():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_cli("launch", "--nnodes", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                       "examples/01_spmd_main.py")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"cannot open the rendezvous store at 127.0.0.1:{port}" in errors[0]
+    assert "address already in use" in errors[0] and "pick a free port" in errors[0]
+
+
+KILLED_RANK = """
+import os, signal
+import torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+dist.barrier()
+"""
+
+
+def test_a_killed_rank_is_named_not_the_survivor_the_agent_stopped(tmp_path):
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_RANK)
+    proc = run_cli("launch", "--nproc-per-node", "2", str(script))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert summary.startswith("ddpkit launch: rank 1 was killed by SIGKILL"), summary
+    assert summary.endswith("ranks [0] failed after it"), summary

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -153,6 +154,7 @@ def launch(script: str, script_args: Sequence[str], opts: LaunchOptions | None =
     """Run ``script`` on every local rank under torchrun's agent; return an exit code."""
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     opts = opts or LaunchOptions()
     nproc = default_nproc() if opts.nproc_per_node is None else opts.nproc_per_node
@@ -161,6 +163,12 @@ def launch(script: str, script_args: Sequence[str], opts: LaunchOptions | None =
         raise ConfigError(f"script {script!r} does not exist; give the path of a Python file")
     args = torchrun.parse_args([*torchrun_argv(opts, nproc), script, *script_args])
     os.environ.update(opts.extra_env)
+    if opts.max_restarts > 0:
+        # torchrun's agent keeps one store server for every attempt, and a restarted rank
+        # can read its dead predecessor's gloo/NCCL address from it ("Connection refused"
+        # in connectFullMesh; pytorch/pytorch#135712). Without sharing, rank 0 of each
+        # attempt hosts a fresh store.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     if opts.rdzv_endpoint and "GLOO_SOCKET_IFNAME" not in os.environ:
         # gloo binds to the address of this host's name, often 127.0.0.1: peers on other
         # nodes then get "connection refused". Use the interface that reaches the endpoint.
@@ -170,16 +178,25 @@ def launch(script: str, script_args: Sequence[str], opts: LaunchOptions | None =
             log.info(f"GLOO_SOCKET_IFNAME={ifname} (the interface toward the rendezvous)")
     try:
         torchrun.run(args)  # the real agent; it also turns --standalone into a free port
+    except RendezvousConnectionError as err:
+        cause = err.__cause__ or err.__context__ or err
+        raise ConfigError(
+            f"cannot open the rendezvous store at {opts.rdzv_endpoint or 'localhost'} "
+            f"({str(cause).splitlines()[0] if str(cause) else type(cause).__name__}); on the "
+            "first node pick a free port, on the others check that the first node is up "
+            "and reachable at that address"
+        ) from err
     except ChildFailedError as err:
         rank, failure = root_cause(err.failures)
         others = sorted(r for r in err.failures if r != rank)
         also = f"; ranks {others} failed after it" if others else ""
-        print(
-            f"ddpkit launch: rank {rank} failed first (exit code {failure.exitcode}, "
-            f"pid {failure.pid}); its traceback is above, prefixed [default{failure.local_rank}]"
-            f"{also}",
-            file=sys.stderr,
-        )
+        if failure.exitcode < 0:  # killed by a signal: there is no traceback to point at
+            what = (f"was killed by {signal.Signals(-failure.exitcode).name} "
+                    f"(pid {failure.pid}; out of memory or killed from outside?)")
+        else:
+            what = (f"failed first (exit code {failure.exitcode}, pid {failure.pid}); its "
+                    f"traceback is above, prefixed [default{failure.local_rank}]")
+        print(f"ddpkit launch: rank {rank} {what}{also}", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
 
@@ -200,6 +217,8 @@ def root_cause(failures: dict) -> tuple[int, object]:
     def key(item):
         rank, failure = item
         message = str(getattr(failure, "message", ""))
-        return (failure.timestamp, any(p in message for p in _PEER_GONE), rank)
+        # Exit -SIGTERM is the agent stopping the survivors: a victim, whatever its clock.
+        stopped_by_agent = failure.exitcode == -signal.SIGTERM
+        return (failure.timestamp, stopped_by_agent, any(p in message for p in _PEER_GONE), rank)
 
     return min(failures.items(), key=key)

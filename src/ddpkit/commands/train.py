@@ -268,12 +268,6 @@ def run(args: argparse.Namespace) -> int:
         argv += ["--resume" if resume_dir is not None else "--run-dir", str(run_dir)]
     opts.module = True
     quiet_omp_warning(opts)
-    if opts.max_restarts > 0:
-        # torchrun's agent keeps one store server for every attempt, and a restarted
-        # rank can read its dead predecessor's gloo/NCCL address from it ("Connection
-        # refused" in connectFullMesh; pytorch/pytorch#135712). Without sharing, rank 0
-        # of each attempt hosts a fresh store.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     started = time.time()
     try:
         with forward_to_workers((signal.SIGUSR1,)):
