@@ -9,6 +9,7 @@ script, ddpkit train, World.from_env, gloo) is the real thing.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -121,7 +122,9 @@ def test_script_directives_and_command(tmp_path):
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
     assert "trap requeue USR1" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
     assert "export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK" in text
-    assert f"{sys.executable} -m ddpkit.cli train --epochs 3 --lr 0.2 &" in text
+    assert (f'{sys.executable} -m ddpkit.cli train --epochs 3 --lr 0.2 --run-dir "$RUN_DIR" &'
+            in text)
+    assert 'RUN_DIR=runs/slurm-job-"$SLURM_JOB_ID"' in text  # a requeue finds its checkpoints
     proc = subprocess.run(["bash", "-n"], input=text, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr  # valid bash
 
@@ -173,15 +176,43 @@ def test_worker_world_from_slurm_variables(tmp_path, fake_slurm):
     assert log.read_text().splitlines() == ["show hostnames node[01-02]"]
 
 
-def test_sbatch_train_equals_one_node_run(tmp_path, tmp_path_factory, fake_slurm):
+def test_preempted_job_is_requeued_and_ends_like_one_uninterrupted_node(
+        tmp_path, tmp_path_factory, fake_slurm):
+    """USR1 mid-epoch (SLURM's warning): every rank checkpoints, the job exits 75 and asks
+    for a requeue; the requeued job (SLURM_RESTART_COUNT=1) continues in the same run
+    directory and ends with an uninterrupted 1-node, 2-process run's epochs, bit for bit."""
     want = reference_results(tmp_path_factory)
-    env_for, _ = fake_slurm
+    env_for, log = fake_slurm
     out = tmp_path / "runs"
     script = write(SlurmJob(nodes=2, gpus_per_node=0, tasks_per_node=1,
-                            command=("train", *TRAIN_ARGS, "--out-dir", str(out))),
+                            command=("train", *TRAIN_ARGS, "--checkpoint-every-steps", "4",
+                                     "--out-dir", str(out))),
                    tmp_path / "train.sbatch")
-    proc = sbatch_here(script, env_for(nodes=2, tasks_per_node=1))
+    env = env_for(nodes=2, tasks_per_node=1)
+    batch = subprocess.Popen(["bash", str(script)], cwd=ROOT, text=True,
+                             env={**env, "DDPKIT_TEST_SLEEP_AT_STEP": "5:*:120"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + NODE_TIMEOUT_S
+        while not list(out.glob("*/checkpoints/step_000000004.json")):
+            assert time.monotonic() < deadline and batch.poll() is None, "no checkpoint appeared"
+            time.sleep(0.1)
+        batch.send_signal(signal.SIGUSR1)  # to the batch shell only, as --signal=B:USR1 does
+        _, err = batch.communicate(timeout=NODE_TIMEOUT_S)
+    finally:
+        if batch.poll() is None:
+            os.killpg(batch.pid, signal.SIGKILL)
+            batch.wait()
+    assert batch.returncode == 75, err[-3000:]
+    assert f"requeue {JOB_ID}" in log.read_text().splitlines()
+    run = out / f"slurm-job-{JOB_ID}"
+    assert json.loads((run / "checkpoints" / "step_000000005.json").read_text())["reason"] \
+        == "preempted"
+
+    proc = sbatch_here(script, {**env, "SLURM_RESTART_COUNT": "1"})  # what SLURM sets
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed at step 5" in proc.stdout + proc.stderr
     assert_same_training(train_results(out), want)
 
 

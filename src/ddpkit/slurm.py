@@ -106,6 +106,20 @@ class SlurmJob:
             return [self.python, "-m", "ddpkit.cli", "train", *rest]
         return [self.python, head, *rest]
 
+    def run_dir(self) -> str | None:
+        """For ``train`` without ``--run-dir``/``--resume``: one run directory per job id,
+        so a requeued job (``SLURM_RESTART_COUNT`` > 0) finds its own checkpoints."""
+        head, *rest = self.command
+        if head != "train" or {"--run-dir", "--resume"} & {a.split("=")[0] for a in rest}:
+            return None
+        out_dir = "runs"
+        for i, arg in enumerate(rest):
+            if arg == "--out-dir" and i + 1 < len(rest):
+                out_dir = rest[i + 1]
+            elif arg.startswith("--out-dir="):
+                out_dir = arg.split("=", 1)[1]
+        return f"{out_dir.rstrip('/')}/slurm-job"
+
 
 def render(job: SlurmJob, argv: Sequence[str] | None = None) -> str:
     """The sbatch script for ``job`` (``argv``: the command line that made it, for the record)."""
@@ -135,6 +149,9 @@ def render(job: SlurmJob, argv: Sequence[str] | None = None) -> str:
     for name, value in directives:
         lines.append(f"#SBATCH --{name}" + ("" if value is None else f"={value}"))
     worker = shlex.join(job.worker_argv())
+    run_dir = job.run_dir()
+    if run_dir is not None:
+        worker += ' --run-dir "$RUN_DIR"'
     lines += [
         "",
         "set -uo pipefail",
@@ -146,6 +163,12 @@ def render(job: SlurmJob, argv: Sequence[str] | None = None) -> str:
         "export MASTER_ADDR MASTER_PORT",
         "",
     ]
+    if run_dir is not None:
+        lines += [
+            "# One run directory per job: a requeued job continues from its checkpoints.",
+            f'RUN_DIR={shlex.quote(run_dir)}-"$SLURM_JOB_ID"',
+            "",
+        ]
     if job.cpus_per_task is not None:
         lines += [
             "# srun (SLURM >= 22.05) no longer inherits --cpus-per-task from sbatch.",

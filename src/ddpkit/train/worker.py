@@ -45,8 +45,10 @@ class WorkerPlan:
     @classmethod
     def from_env(cls, env: Mapping[str, str], run_dir: str | os.PathLike | None,
                  resume: bool) -> WorkerPlan:
+        # torchrun's agent counts its restarts; SLURM counts requeues of the batch job.
+        restarts = env.get("TORCHELASTIC_RESTART_COUNT") or env.get("SLURM_RESTART_COUNT")
         return cls(run_dir=Path(run_dir) if run_dir else None, resume=resume,
-                   restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                   restart_count=int(restarts or 0),
                    under_agent="TORCHELASTIC_RUN_ID" in env)
 
 
