@@ -98,8 +98,9 @@ def test_root_cause_is_the_killed_rank_not_the_survivor_the_agent_stopped():
     from ddpkit.launch import root_cause
 
     # rank 1 was SIGKILLed; the agent then SIGTERMed rank 0 in the same second.
-    rank, _ = root_cause({0: _failure(-15), 1: _failure(-9)})
-    assert rank == 1
+    assert root_cause({0: _failure(-15), 1: _failure(-9)})[0] == 1
+    # rank 0's collective broke and it exited by itself, a second earlier on the clock.
+    assert root_cause({0: _failure(1, timestamp=99), 1: _failure(-9)})[0] == 1
 
 
 def test_root_cause_prefers_the_raiser_over_peers_that_lost_it():

@@ -209,16 +209,19 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset", "Broken pipe", "D
 def root_cause(failures: dict) -> tuple[int, object]:
     """The failure that caused the others.
 
-    torchrun orders failures by error-file timestamp, which has one-second resolution:
-    a rank that raised and the peer whose collective then broke usually tie, and the
-    tie goes to the lower rank, often the victim. Among the earliest, prefer a failure
-    that is not a lost connection.
+    A rank killed by a signal of its own (SIGKILL from the OOM killer, SIGSEGV) had no
+    chance to report and its peers fail within moments of it, often in an earlier
+    second of torchrun's clock: it is the cause. Exit -SIGTERM is the agent stopping the
+    survivors, never the cause. Otherwise the earliest error wins; torchrun's timestamps
+    have one-second resolution, so a rank that raised and the peer whose collective then
+    broke usually tie, and among those we prefer the failure that is not a lost connection.
     """
     def key(item):
         rank, failure = item
         message = str(getattr(failure, "message", ""))
-        # Exit -SIGTERM is the agent stopping the survivors: a victim, whatever its clock.
         stopped_by_agent = failure.exitcode == -signal.SIGTERM
-        return (failure.timestamp, stopped_by_agent, any(p in message for p in _PEER_GONE), rank)
+        killed_by_signal = failure.exitcode < 0 and not stopped_by_agent
+        return (stopped_by_agent, not killed_by_signal, failure.timestamp,
+                any(p in message for p in _PEER_GONE), rank)
 
     return min(failures.items(), key=key)
