@@ -4,6 +4,8 @@ All variants run side by side in the same two processes (gloo, one thread per ra
 interleaved round by round so machine noise hits them alike:
 
 * single  - rank 0 trains alone (no communication) while the other ranks wait;
+* local   - every rank trains its own copy at the same time, no communication: the
+            compute-only ceiling of scaling efficiency on this machine (opt-in);
 * torch   - torch.nn.parallel.DistributedDataParallel (defaults);
 * naive   - the tutorial's average_gradients(): one blocking all_reduce per parameter
             after backward, then divide;
@@ -79,6 +81,7 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
     cap = opts["bucket_cap_mb"]
     models = {
         "single": copy.deepcopy(base),
+        "local": copy.deepcopy(base),
         "torch": ddpkit.parallel.data_parallel(copy.deepcopy(base), engine="torch",
                                                bucket_cap_mb=cap),
         "naive": copy.deepcopy(base),
@@ -126,8 +129,9 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
         return [p.detach() for p in inner.parameters()]
 
     equal_to_torch = {n: all(torch.equal(a, b) for a, b in zip(params(n), params("torch")))
-                      for n in names if n not in ("single",) and "torch" in names}
-    checksums = {n: float(sum(p.double().sum() for p in params(n))) for n in names if n != "single"}
+                      for n in names if n not in ("single", "local") and "torch" in names}
+    checksums = {n: float(sum(p.double().sum() for p in params(n))) for n in names
+                 if n not in ("single", "local")}
     gathered: list = [None] * W
     dist.all_gather_object(gathered, checksums)
     replicas_equal = {n: len({c[n] for c in gathered}) == 1 for n in checksums}
