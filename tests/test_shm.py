@@ -36,6 +36,21 @@ def _input(rank: int, numel: int, dtype: torch.dtype, op: str, shape_seed: int) 
     return torch.randint(0, high, (numel,), generator=g, dtype=torch.int64).to(dtype)
 
 
+
+def _reduce_both_ways(comm, buffer, x, op):
+    """torch's result for ``x``, and ours on a private copy and on a copy in ``buffer``
+    (allocated in the segment: the in-place path DataParallel's buckets take)."""
+    expected = x.clone()
+    dist.all_reduce(expected, ops.TO_REDUCE_OP["sum" if op == "avg" else op])
+    if op == "avg":
+        expected = expected / dist.get_world_size()
+    private = x.clone()
+    comm.all_reduce(private, op)
+    shared = buffer[: x.numel()]
+    shared.copy_(x)
+    comm.all_reduce(shared, op)
+    return expected, private, shared
+
 def _close(a: torch.Tensor, b: torch.Tensor, world_size: int, op: str) -> bool:
     if not a.dtype.is_floating_point or op in ("min", "max"):
         return torch.equal(a, b)
@@ -60,15 +75,7 @@ def grid_vs_torch(world, sizes) -> tuple[int, list]:
                     continue
                 for numel in sizes:
                     x = _input(world.rank, numel, dtype, op, numel)
-                    expected = x.clone()
-                    dist.all_reduce(expected, ops.TO_REDUCE_OP["sum" if op == "avg" else op])
-                    if op == "avg":
-                        expected = expected / world.world_size
-                    private = x.clone()
-                    comm.all_reduce(private, op)
-                    shared = buffer[:numel]
-                    shared.copy_(x)
-                    comm.all_reduce(shared, op)
+                    expected, private, shared = _reduce_both_ways(comm, buffer, x, op)
                     for path, got in (("private", private), ("allocated", shared)):
                         checks += 1
                         if not _close(got, expected, world.world_size, op):
@@ -155,15 +162,7 @@ def hierarchical(world, run) -> dict:
             buffer = comm.allocate(40_001, dtype)
             for numel in (0, 7, 40_001):
                 x = _input(world.rank, numel, dtype, op, numel)
-                expected = x.clone()
-                dist.all_reduce(expected, ops.TO_REDUCE_OP["sum" if op == "avg" else op])
-                if op == "avg":
-                    expected = expected / world.world_size
-                private = x.clone()
-                comm.all_reduce(private, op)
-                shared = buffer[:numel]
-                shared.copy_(x)
-                comm.all_reduce(shared, op)
+                expected, private, shared = _reduce_both_ways(comm, buffer, x, op)
                 ok.append(_close(private, expected, 4, op) and _close(shared, expected, 4, op))
         out["ok"] = ok
     return out
