@@ -155,6 +155,22 @@ def distributed(
     world = init(backend, init_method, timeout, **kwargs)
     try:
         yield world
-    finally:
+    except BaseException:
         if owned:
             shutdown()
+        raise
+    if owned:
+        _leave_together(world)
+        shutdown()
+
+
+def _leave_together(world: World) -> None:
+    """Barrier before a clean teardown: a rank that destroys its gloo group while a peer
+    is still finishing its last collective can abort that peer ("terminate called
+    without an active exception"). Only on clean exit: a rank that raised leaves at once,
+    and its peers' barrier then fails fast on the closed connection."""
+    if world.world_size > 1 and dist.is_initialized():
+        try:
+            dist.barrier()
+        except Exception as exc:  # a peer already left: nothing to wait for
+            log.debug(f"teardown barrier: {exc}")

@@ -55,8 +55,6 @@ class WorkerPlan:
 def run_worker(cfg: Config, plan: WorkerPlan | None = None,
                env: Mapping[str, str] | None = None) -> int:
     """Join the job's process group, train (or continue), always tear down."""
-    import torch.distributed as dist
-
     from ddpkit.runtime import distributed
     from ddpkit.train import inject
     from ddpkit.train.trainer import Trainer
@@ -67,10 +65,7 @@ def run_worker(cfg: Config, plan: WorkerPlan | None = None,
         inject.install(trainer, env or {}, plan.restart_count)
         if plan.resume or plan.restart_count > 0:
             trainer.restore(required=plan.resume)
-        trainer.fit()
-        # Leave together: a rank that tears down gloo while rank 0 still writes the
-        # summary and plot can abort in gloo's destructor.
-        dist.barrier()
+        trainer.fit()  # distributed() waits for every rank before tearing gloo down
     if trainer.preempted and not plan.under_agent:
         return EXIT_PREEMPTED
     return 0
