@@ -164,6 +164,16 @@ def test_three_ranks_equal_one_process(pools):
 
 # -- parity with torch DDP ------------------------------------------------------------------
 
+def _three_sgd_steps(model, world):
+    """Three SGD steps on this rank's half of a batch of 8 (2 ranks)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _batch("mlp", step, 8)
+        F.cross_entropy(model(x[world.rank::2]), y[world.rank::2]).backward()
+        opt.step()
+
+
 def _train_pair(world, kind, steps, *, cap, accumulate, unused, ours_opts):
     torch.manual_seed(3)
     base = MODELS[kind]()
@@ -355,12 +365,7 @@ def run_hooks(world, hook_name):
     through_allocator = all(
         any(b.buffer.data_ptr() == a.data_ptr() for a in allocated) for b in hooked.reducer.buckets)
     for model in (plain, hooked):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(3):
-            opt.zero_grad()
-            x, y = _batch("mlp", step, 8)
-            F.cross_entropy(model(x[world.rank::2]), y[world.rank::2]).backward()
-            opt.step()
+        _three_sgd_steps(model, world)
     return (through_allocator, _max_diff(_state(plain_model), _state(hooked_model)),
             _state(hooked_model))
 
@@ -421,12 +426,7 @@ def run_mixed_dtypes(world):
     ours = DataParallel(ours_model)
     theirs = data_parallel(torch_model, engine="torch")
     for model in (ours, theirs):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(3):
-            opt.zero_grad()
-            x, y = _batch("mlp", step, 8)
-            F.cross_entropy(model(x[world.rank::2]), y[world.rank::2]).backward()
-            opt.step()
+        _three_sgd_steps(model, world)
     dtypes = [{str(t.dtype) for t in (b.buffer,)} for b in ours.reducer.buckets]
     return dtypes, all(torch.equal(a, b) for a, b in zip(ours_model.parameters(),
                                                         torch_model.parameters()))
