@@ -23,13 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"ddpkit.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"ddpkit.commands.{name}":
-                raise
-            continue  # command not built yet
-        module.register(sub)
+        importlib.import_module(f"ddpkit.commands.{name}").register(sub)
     return parser
 
 
