@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
 from ddpkit.errors import ConfigError
+from ddpkit.parallel import torch_compat
 from ddpkit.parallel.buckets import Allocator, default_allocator, size_limits
 from ddpkit.parallel.reducer import CommHook, Reducer
 from ddpkit.parallel.state_sync import broadcast_coalesced, verify_same_layout
@@ -59,7 +61,7 @@ def _allocator_from(comm_state: object) -> Allocator:
     return without_device
 
 
-class DataParallel(nn.Module):
+class DataParallel(nn.Module, Joinable):
     """Replicate ``module`` across the ranks of ``group`` and average gradients in backward.
 
     Args:
@@ -85,10 +87,26 @@ class DataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        *,
-        bucket_cap_mb: float = 25.0,
-        broadcast_buffers: bool = True,
+        device_ids: Sequence[Any] | None = None,
+        output_device: Any = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
         find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[int] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
         comm_hook: CommHook | None = None,
         comm_state: object = None,
         group: dist.ProcessGroup | None = None,
@@ -96,6 +114,7 @@ class DataParallel(nn.Module):
         initial_bucketing: str = "reverse",
     ):
         super().__init__()
+        Joinable.__init__(self)
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError(
                 "DataParallel needs a process group: call ddpkit.init() (or run under "
@@ -103,6 +122,24 @@ class DataParallel(nn.Module):
             )
         if isinstance(module, DataParallel):
             raise ConfigError("module is already a DataParallel; wrap the plain model once")
+        # torch's arguments first: dim, check_reduction, gradient_as_bucket_view,
+        # static_graph and batched_grad_copy need nothing here (see the class docstring).
+        self.device_ids = None if device_ids is None else list(device_ids)
+        self._input_device = torch_compat.single_device(module, device_ids, output_device)
+        self.output_device = self._input_device
+        self.dim = dim
+        self.static_graph = static_graph
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        settings = torch_compat.engine_settings(
+            broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers,
+            process_group=process_group, group=group, bucket_cap_mb=bucket_cap_mb,
+            delay_all_reduce_named_params=delay_all_reduce_named_params,
+            param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
+            device_mesh=device_mesh, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            bucket_cap_mb_list=bucket_cap_mb_list)
+        broadcast_buffers = settings["broadcast_buffers"]
+        group = settings["group"]
+        bucket_cap_mb = settings["bucket_cap_mb"]
         if comm_hook is not None and not callable(comm_hook):
             raise ConfigError(
                 f"comm_hook must be callable as hook(state, bucket), got {comm_hook!r}")
@@ -121,13 +158,15 @@ class DataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.require_backward_grad_sync = True
         self._join_state = None  # set by ddpkit.join while its context is open
+        self._torch_join_state = None  # set by torch's Join through join_hook()
 
         named_params = list(module.named_parameters())
         named_buffers = list(module.named_buffers())
-        verify_same_layout(named_params, named_buffers, group)
-        # Rank 0's initial state wins, so replicas start identical whatever seeds were used.
-        broadcast_coalesced([p.detach() for _, p in named_params] + [b for _, b in named_buffers],
-                            0, group)
+        if init_sync:
+            verify_same_layout(named_params, named_buffers, group)
+            # Rank 0's initial state wins, so replicas start identical whatever seeds were used.
+            broadcast_coalesced(
+                [p.detach() for _, p in named_params] + [b for _, b in named_buffers], 0, group)
         self._buffers_to_sync = [b for _, b in named_buffers]
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         if not trainable:
@@ -147,6 +186,19 @@ class DataParallel(nn.Module):
     # -- forward -------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
+        if self._input_device is not None:
+            args, kwargs = torch_compat.move_inputs(self._input_device, args, kwargs)
+        return self.module(*args, **kwargs)
+
+    # Collectives and Python-side bookkeeping: torch.compile must run this eagerly and
+    # compile only the wrapped module's forward (torch DDP's own compiled path does the same).
+    @torch._dynamo.disable
+    def _before_forward(self) -> None:
+        if self._torch_join_state is not None and self._join_config.enable:
+            # torch's Join counts iterations through this all-reduce, before ours.
+            Join.notify_join_context(self)
+            self._join_state = self._torch_join_state
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         src, divisor = 0, self.world_size
         if self._join_state is not None:
@@ -160,7 +212,6 @@ class DataParallel(nn.Module):
             self.reducer.arm(divisor)
         else:
             self.reducer.disarm()
-        return self.module(*args, **kwargs)
 
     def _sync_buffers(self, src: int) -> None:
         if self.broadcast_buffers and self._buffers_to_sync and self.world_size > 1:
@@ -182,7 +233,46 @@ class DataParallel(nn.Module):
         tensors = [p.detach() for p in self.module.parameters()] + self._buffers_to_sync
         broadcast_coalesced(tensors, src, self.group)
 
+    # torch's Joinable interface: torch.distributed.algorithms.Join([model, ...]) drives the
+    # same shadowing as ddpkit.join (see ddpkit.parallel.join.TorchJoinHook).
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        from ddpkit.parallel.join import TorchJoinHook
+
+        return TorchJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group if self.group is not None else dist.group.WORLD
+
     # -- user API ------------------------------------------------------------------------
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """torch DDP's API: reduce each bucket with ``hook(state, bucket)`` from now on.
+
+        torch's own hooks (``default_hooks.allreduce_hook``, ``fp16_compress_hook``,
+        ``powerSGD_hook`` with a ``PowerSGDState``) run unchanged. Register before the
+        first forward, as with torch.
+        """
+        if not callable(hook):
+            raise ConfigError(f"register_comm_hook: hook must be callable as hook(state, "
+                              f"bucket), got {hook!r}")
+        if self.reducer.comm_hook is not None:
+            raise ConfigError("register_comm_hook: a comm hook is already registered; "
+                              "register it once, before the first forward")
+        if self.reducer.synced_iterations:
+            raise ConfigError("register_comm_hook: call it before the first forward/backward "
+                              "(torch DDP has the same rule)")
+        # Hooks such as PowerSGD keep per-bucket state keyed by bucket index, so the same
+        # buckets as torch DDP's give the same numbers: its layout until the first rebuild.
+        self.reducer.use_single_initial_bucket()
+        self.reducer.comm_hook = hook
+        self.reducer.comm_state = state
+
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -123,3 +123,32 @@ def _shadow_until_all_done(models: list[DataParallel], states: list[JoinState]) 
     for m, state in zip(models, states):
         if len(state.last_active) < state.world_size:
             m._sync_final_state(min(state.last_active))
+
+
+class TorchJoinHook:
+    """What torch's ``Join([model, ...])`` calls on a ddpkit.DataParallel.
+
+    torch's Join runs ``main_hook`` on a rank that left its loop once per iteration the
+    others still run, and ``post_hook`` when everyone has left. Both reuse ddpkit.join's
+    machinery: the per-forward exchange of who still trains, then the shadow iteration.
+    """
+
+    def __init__(self, model: DataParallel, divide_by_initial_world_size: bool):
+        if model._join_state is not None:
+            raise ConfigError("this model is already inside a join() block; use either "
+                              "ddpkit.join or torch's Join around it, not both")
+        self.model = model
+        self.state = JoinState(model, divide_by_initial_world_size)
+        model._torch_join_state = self.state
+
+    def main_hook(self) -> None:
+        self.model._join_state = self.state
+        active, sync = self.state.exchange(self.model, active=False, sync=False)
+        if active:
+            self.model._shadow_iteration(active, sync, self.state.divisor(len(active)))
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        if len(self.state.last_active) < self.state.world_size:
+            self.model._sync_final_state(min(self.state.last_active))
+        self.model._join_state = None
+        self.model._torch_join_state = None

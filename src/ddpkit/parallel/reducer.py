@@ -110,6 +110,14 @@ class Reducer:
                 self.bucket_of[i] = bucket.index
                 self.views[i] = view
 
+    def use_single_initial_bucket(self) -> None:
+        """Before any backward: torch's first-iteration layout (one bucket per device and
+        dtype, registration order) instead of the guessed reverse order."""
+        assignment = assign_buckets(self.params, list(range(len(self.params))), [2**62])
+        if assignment != self.assignment:
+            self.assignment = assignment
+            self._install(build_buckets(self.params, assignment, self.allocate))
+
     def bucket_sizes(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order (for logs and tests)."""
         return [[self.names[i] for i in b.param_indices] for b in self.buckets]

@@ -1,0 +1,137 @@
+"""torch DistributedDataParallel's constructor arguments, mapped onto ddpkit's engine.
+
+``ddpkit.DataParallel`` takes torch 2.13's DDP signature so a script switches engines by
+changing one import. Each torch argument is either honoured (translated here into the
+engine's own settings) or refused with one line naming the argument, why, and what to
+use instead: silently ignoring an argument would make a script behave differently
+without saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpkit.errors import ConfigError
+
+
+class TorchArgumentError(ConfigError):
+    """A torch DDP constructor argument that ddpkit's engine cannot honour."""
+
+
+def _as_device(value: Any) -> torch.device:
+    if isinstance(value, int):
+        # torch DDP reads a bare int as an index on the accelerator (cuda:<int>).
+        return torch.device("cuda", value)
+    return torch.device(value)
+
+
+def _module_devices(module: nn.Module) -> set[torch.device]:
+    return {p.device for p in module.parameters()}
+
+
+def single_device(module: nn.Module, device_ids: Sequence[Any] | None,
+                  output_device: Any) -> torch.device | None:
+    """The device inputs are moved to before forward (torch's ``device_ids[0]``), or None.
+
+    torch accepts ``device_ids=None`` (module stays where it is, inputs untouched) or a
+    one-element list naming the module's own device; anything else is refused.
+    """
+    devices = _module_devices(module)
+    if device_ids is None:
+        if output_device is not None:
+            raise TorchArgumentError(
+                f"output_device={output_device!r} needs device_ids naming the module's device; "
+                "pass device_ids=[dev] too, or drop output_device")
+        return None
+    ids = list(device_ids)
+    where = ", ".join(sorted(str(d) for d in devices)) or "no device"
+    if len(ids) != 1:
+        raise TorchArgumentError(
+            f"device_ids={ids!r}: DataParallel runs one device per process (as torch DDP "
+            "does since 2.x); pass device_ids=[the module's device] or None")
+    if len(devices) > 1:
+        raise TorchArgumentError(
+            f"device_ids={ids!r} but the module spans {where}; a multi-device module needs "
+            "device_ids=None")
+    try:
+        wanted = _as_device(ids[0])
+    except (RuntimeError, TypeError):
+        raise TorchArgumentError(f"device_ids={ids!r}: {ids[0]!r} is not a device") from None
+    module_device = next(iter(devices)) if devices else wanted
+    if module_device.type == "cpu" or wanted != module_device:
+        raise TorchArgumentError(
+            f"device_ids={ids!r} but the module is on {where}; move the module there first "
+            f"(model.to(device)), or pass device_ids=None"
+            + (" (a CPU module takes device_ids=None)" if module_device.type == "cpu" else ""))
+    if output_device is not None and _as_device(output_device) != module_device:
+        raise TorchArgumentError(
+            f"output_device={output_device!r} differs from the module's device "
+            f"{module_device}; outputs stay on the module's device, drop output_device")
+    return module_device
+
+
+def _refuse_if(condition: bool, message: str) -> None:
+    if condition:
+        raise TorchArgumentError(message)
+
+
+def engine_settings(
+    *,
+    broadcast_buffers: bool | None,
+    forward_sync_buffers: bool | None,
+    process_group: Any,
+    group: Any,
+    bucket_cap_mb: float | None,
+    delay_all_reduce_named_params: Any,
+    param_to_hook_all_reduce: Any,
+    mixed_precision: Any,
+    device_mesh: Any,
+    skip_all_reduce_unused_params: bool,
+    bucket_cap_mb_list: Any,
+) -> dict[str, Any]:
+    """The engine's settings for torch's arguments; refuses those it cannot honour."""
+    if (broadcast_buffers is not None and forward_sync_buffers is not None
+            and bool(broadcast_buffers) != bool(forward_sync_buffers)):
+        raise TorchArgumentError(
+            f"broadcast_buffers={broadcast_buffers} and forward_sync_buffers="
+            f"{forward_sync_buffers} disagree (they are the same option); pass one of them")
+    sync_buffers = next((v for v in (forward_sync_buffers, broadcast_buffers) if v is not None),
+                        True)
+    if process_group is not None and group is not None and process_group is not group:
+        raise TorchArgumentError(
+            "process_group and group name different groups (they are the same option); "
+            "pass one of them")
+    _refuse_if(device_mesh is not None,
+               "device_mesh is not supported by ddpkit.DataParallel; pass "
+               "process_group=mesh.get_group() instead")
+    _refuse_if(delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None,
+               "delay_all_reduce_named_params/param_to_hook_all_reduce are not supported by "
+               "ddpkit.DataParallel; drop them (every gradient is reduced in its bucket)")
+    _refuse_if(mixed_precision is not None,
+               "mixed_precision (torch DDP's private _MixedPrecision) is not supported by "
+               "ddpkit.DataParallel; use torch.autocast, or comm_hook=bf16_compress_hook")
+    _refuse_if(bool(skip_all_reduce_unused_params),
+               "skip_all_reduce_unused_params=True is not supported by ddpkit.DataParallel; "
+               "drop it (unused parameters are reduced as zeros, same result)")
+    _refuse_if(bucket_cap_mb_list is not None,
+               "bucket_cap_mb_list is not supported by ddpkit.DataParallel; use bucket_cap_mb "
+               "and first_bucket_cap_mb=")
+    return {
+        "broadcast_buffers": sync_buffers,
+        "group": group if group is not None else process_group,
+        "bucket_cap_mb": 25.0 if bucket_cap_mb is None else bucket_cap_mb,
+    }
+
+
+def move_inputs(device: torch.device, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """What torch DDP does with ``device_ids``: copy tensor inputs to the module's device."""
+    from torch.utils._pytree import tree_map
+
+    def to(x: Any) -> Any:
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+
+    return tree_map(to, args), tree_map(to, kwargs)

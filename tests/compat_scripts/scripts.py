@@ -1,0 +1,252 @@
+"""Ordinary torch DDP training scripts, each written for torch's DistributedDataParallel.
+
+Each ``script(DDP)`` is what a user's program looks like after
+``from torch.nn.parallel import DistributedDataParallel as DDP``; the compatibility
+tests run it once with torch's class and once with ``ddpkit.DataParallel`` in its
+place (the one-line import change) and compare the final parameters bit for bit. The
+process group is already initialized (2 gloo ranks); each returns its model's state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def _rank() -> int:
+    return dist.get_rank()
+
+
+def _batch(step: int, n: int = 8, dim: int = 16, classes: int = 4):
+    g = torch.Generator().manual_seed(1000 * step + _rank())
+    return torch.randn(n, dim, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.ReLU(),
+                         nn.Linear(32, 4))
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def accumulate_no_sync(DDP):
+    model = DDP(_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        opt.zero_grad()
+        for micro in range(3):
+            x, y = _batch(10 * step + micro)
+            if micro < 2:
+                with model.no_sync():
+                    F.cross_entropy(model(x), y).backward()
+            else:
+                F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return _state(model)
+
+
+def accumulate_require_backward_grad_sync(DDP):
+    model = DDP(_mlp(), device_ids=None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        for micro in range(3):
+            model.require_backward_grad_sync = micro == 2
+            x, y = _batch(10 * step + micro)
+            (F.cross_entropy(model(x), y) / 3).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return _state(model.module)
+
+
+def adamw_clip_scheduler(DDP):
+    model = DDP(_mlp(), None, None, 0, True)  # torch's positional arguments
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=6)
+    for step in range(6):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        sched.step()
+    return _state(model)
+
+
+def bf16_autocast(DDP):
+    model = DDP(_mlp())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for step in range(4):
+        x, y = _batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return _state(model)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int, ctx: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.register_buffer("mask", torch.tril(torch.ones(ctx, ctx)).bool(), persistent=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """A 2-layer GPT; the output head shares the token embedding's weight (tied)."""
+
+    def __init__(self, vocab: int = 50, d: int = 32, ctx: int = 16, layers: int = 2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.zeros(1, ctx, d))
+        self.blocks = nn.Sequential(*[_Block(d, 4, ctx) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[:, : idx.shape[1]]
+        return self.head(self.ln(self.blocks(x)))
+
+
+def gpt_tied_weights(DDP):
+    torch.manual_seed(0)
+    model = DDP(TinyGPT())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step * 10 + _rank())
+        idx = torch.randint(0, 50, (4, 17), generator=g)
+        logits = model(idx[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, 50), idx[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert model.module.head.weight is model.module.tok.weight
+    return _state(model)
+
+
+def cnn_batchnorm(DDP):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                        nn.MaxPool2d(2), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                        nn.Flatten(), nn.Linear(8 * 2 * 2, 4))
+    model = DDP(net, broadcast_buffers=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step * 10 + _rank())
+        x, y = torch.randn(6, 1, 8, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return _state(model)
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(16, 16)
+        self.a, self.b = nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x, use_b: bool):
+        h = torch.relu(self.trunk(x))
+        return self.b(h) if use_b else self.a(h)
+
+
+def unused_parameters(DDP):
+    model = DDP(_Branchy(), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x, use_b=(step + _rank()) % 2 == 0), y).backward()
+        opt.step()
+    return _state(model)
+
+
+def uneven_inputs_join(DDP):
+    from torch.distributed.algorithms.join import Join
+
+    model = DDP(_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [_batch(step) for step in range(3 + 2 * _rank())]
+    with Join([model]):
+        for x, y in batches:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    return _state(model)
+
+
+def _with_hook(DDP, make_hook):
+    model = DDP(_mlp())
+    state, hook = make_hook()
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return _state(model)
+
+
+def hook_allreduce(DDP):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return _with_hook(DDP, lambda: (None, default_hooks.allreduce_hook))
+
+
+def hook_fp16_compress(DDP):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return _with_hook(DDP, lambda: (None, default_hooks.fp16_compress_hook))
+
+
+def hook_powersgd(DDP):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+
+    def make():
+        state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                       start_powerSGD_iter=2, min_compression_rate=0.5)
+        return state, powerSGD.powerSGD_hook
+
+    return _with_hook(DDP, make)
+
+
+def compiled(DDP):
+    model = torch.compile(DDP(_mlp()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {k.removeprefix("_orig_mod."): v.detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+SCRIPTS = {f.__name__: f for f in (
+    accumulate_no_sync, accumulate_require_backward_grad_sync, adamw_clip_scheduler,
+    bf16_autocast, gpt_tied_weights, cnn_batchnorm, unused_parameters, uneven_inputs_join,
+    hook_allreduce, hook_fp16_compress, hook_powersgd,
+)}

@@ -1,0 +1,143 @@
+"""ddpkit.DataParallel as a drop-in for torch's DistributedDataParallel.
+
+Every script in compat_scripts/scripts.py is an ordinary torch DDP program; it runs once
+with torch's DistributedDataParallel and once with ddpkit.DataParallel (the one-line
+import change) on 2 gloo ranks, and the final parameters must be torch.equal.
+"""
+
+from __future__ import annotations
+
+import torch
+from compat_scripts import scripts
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import ddpkit
+from ddpkit.errors import ConfigError
+
+
+def run_scripts(world, names):
+    out = {}
+    for name in names:
+        theirs = scripts.SCRIPTS[name](DistributedDataParallel)
+        ours = scripts.SCRIPTS[name](ddpkit.DataParallel)
+        same_keys = sorted(theirs) == sorted(ours)
+        diff = max(((theirs[k].double() - ours[k].double()).abs().max().item()
+                    for k in theirs if k in ours and theirs[k].numel()), default=0.0)
+        equal = same_keys and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+        out[name] = (equal, same_keys, diff, ours)
+    return out
+
+
+def test_torch_ddp_scripts_give_bit_identical_parameters(pools):
+    results = pools(2).run(run_scripts, sorted(scripts.SCRIPTS))
+    for name in scripts.SCRIPTS:
+        for rank, per_rank in enumerate(results):
+            equal, same_keys, diff, _ = per_rank[name]
+            assert same_keys, f"{name}: state_dict keys differ between engines"
+            assert equal, f"{name} rank {rank}: parameters differ from torch DDP's by {diff}"
+        # ...and the two replicas' parameters agree (BatchNorm running statistics do
+        # not: each rank updates them with its own last batch, under torch DDP too).
+        ours0, ours1 = results[0][name][3], results[1][name][3]
+        params = [k for k in ours0 if "running_" not in k and "num_batches" not in k]
+        assert all(torch.equal(ours0[k], ours1[k]) for k in params), f"{name}: replicas differ"
+
+
+def _one_line_error(fn) -> str:
+    try:
+        fn()
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def run_bad_arguments(world):
+    net = nn.Linear(4, 2)
+    return {
+        "device_ids=[3]": _one_line_error(lambda: ddpkit.DataParallel(net, device_ids=[3])),
+        "device_ids=[0, 1]": _one_line_error(lambda: ddpkit.DataParallel(net, [0, 1])),
+        "output_device": _one_line_error(lambda: ddpkit.DataParallel(net, output_device=0)),
+        "device_mesh": _one_line_error(lambda: ddpkit.DataParallel(net, device_mesh=object())),
+        "mixed_precision": _one_line_error(
+            lambda: ddpkit.DataParallel(net, mixed_precision=object())),
+        "two groups": _one_line_error(lambda: ddpkit.DataParallel(
+            net, process_group=torch.distributed.group.WORLD, group=object())),
+    }
+
+
+def test_torch_arguments_ddpkit_cannot_honour_are_one_line_errors(pools):
+    messages = pools(2).run(run_bad_arguments)[0]
+    expected_words = {
+        "device_ids=[3]": "module is on cpu",
+        "device_ids=[0, 1]": "one device per process",
+        "output_device": "device_ids",
+        "device_mesh": "process_group=",
+        "mixed_precision": "autocast",
+        "two groups": "same option",
+    }
+    for case, words in expected_words.items():
+        message = messages[case]
+        assert words in message, f"{case}: {message}"
+        assert "\n" not in message, f"{case}: not one line: {message!r}"
+
+
+def run_accepted_arguments(world):
+    """torch's arguments ddpkit honours: every one of them, positionally and by keyword."""
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    model = ddpkit.DataParallel(
+        net, None, None, 0, False, True, None, 1.0, True, False, True, True,
+        None, None, None, None, False, None, False, None, comm_hook=None)
+    ok = (model.module is net and model.broadcast_buffers is False
+          and model.find_unused_parameters and model.device_ids is None)
+    keyword = ddpkit.DataParallel(nn.Linear(4, 2), device_ids=None,
+                                  forward_sync_buffers=False, init_sync=False,
+                                  process_group=torch.distributed.group.WORLD)
+    return ok and keyword.broadcast_buffers is False
+
+
+def test_torch_constructor_arguments_are_accepted(pools):
+    assert pools(2).run(run_accepted_arguments) == [True, True]
+
+
+def run_checkpoint_between_engines(world, tmp):
+    torch.manual_seed(0)
+    theirs = DistributedDataParallel(scripts.TinyGPT())
+    torch.manual_seed(1)
+    ours = ddpkit.DataParallel(scripts.TinyGPT())
+    path = f"{tmp}/torch-{world.rank}.pt"
+    torch.save(theirs.state_dict(), path)
+    ours.load_state_dict(torch.load(path))
+    loaded = all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+    # ...and back: ddpkit's checkpoint into a fresh torch DDP model.
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(1.0)
+    path = f"{tmp}/ddpkit-{world.rank}.pt"
+    torch.save(ours.state_dict(), path)
+    theirs.load_state_dict(torch.load(path))
+    back = all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+    keys_match = list(ours.state_dict()) == list(theirs.state_dict())
+    return loaded, back, keys_match, next(iter(ours.state_dict()))
+
+
+def test_checkpoints_load_across_engines(pools, tmp_path):
+    for loaded, back, keys_match, first_key in pools(2).run(
+            run_checkpoint_between_engines, str(tmp_path)):
+        assert keys_match and first_key.startswith("module."), first_key
+        assert loaded, "torch DDP's state_dict did not load into ddpkit.DataParallel"
+        assert back, "ddpkit's state_dict did not load into torch DDP"
+
+
+def test_a_differing_run_is_detected(pools):
+    """The comparison can fail: another initialization under ddpkit is caught."""
+    assert pools(2).run(run_scripts_with_other_seed, "accumulate_no_sync") == [False, False]
+
+
+def run_scripts_with_other_seed(world, name):
+    theirs = scripts.SCRIPTS[name](DistributedDataParallel)
+    torch.manual_seed(5)
+    net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.ReLU(),
+                        nn.Linear(32, 4))
+    ours = ddpkit.DataParallel(net).state_dict()
+    return all(torch.equal(theirs[k], ours[k]) for k in theirs)
