@@ -21,6 +21,7 @@ several devices (model parallel inside each replica). Buckets are per (device, d
 from __future__ import annotations
 
 import contextlib
+import sys
 import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -186,14 +187,14 @@ class DataParallel(nn.Module, Joinable):
     # -- forward -------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._before_forward()
+        if "torch._dynamo" in sys.modules:  # torch.compile may be tracing this call
+            _before_forward_eagerly(self)
+        else:  # importing torch._dynamo costs 1.6 s: not for programs that never compile
+            self._before_forward()
         if self._input_device is not None:
             args, kwargs = torch_compat.move_inputs(self._input_device, args, kwargs)
         return self.module(*args, **kwargs)
 
-    # Collectives and Python-side bookkeeping: torch.compile must run this eagerly and
-    # compile only the wrapped module's forward (torch DDP's own compiled path does the same).
-    @torch._dynamo.disable
     def _before_forward(self) -> None:
         if self._torch_join_state is not None and self._join_config.enable:
             # torch's Join counts iterations through this all-reduce, before ours.
@@ -295,3 +296,9 @@ class DataParallel(nn.Module, Joinable):
         sizes = [sum(self.reducer.params[i].numel() for i in b.param_indices)
                  for b in self.reducer.buckets]
         return f"world_size={self.world_size}, buckets={len(sizes)} (numel {sizes})"
+
+
+# Collectives and Python-side bookkeeping: under torch.compile they run eagerly (a graph
+# break) and only the wrapped module's forward is compiled. torch._disable_dynamo imports
+# dynamo on first call, not here.
+_before_forward_eagerly = torch._disable_dynamo(DataParallel._before_forward)
