@@ -14,8 +14,11 @@ Contract with the user, the same as torch's DistributedDataParallel (seed 001):
 * ``no_sync()`` skips the reduction (gradient accumulation); :func:`ddpkit.join` lets
   ranks with fewer batches finish early without hanging the others.
 
-There is no ``device_ids``: the module stays where the caller put it, possibly across
-several devices (model parallel inside each replica). Buckets are per (device, dtype).
+The constructor takes torch 2.13 DDP's arguments, positionally and by keyword, so a
+script switches engines by changing its import (:mod:`ddpkit.parallel.torch_compat` says
+which are honoured and refuses the rest in one line). The module stays where the caller
+put it, possibly across several devices (model parallel inside each replica; then
+``device_ids=None``). Buckets are per (device, dtype).
 """
 
 from __future__ import annotations
@@ -64,6 +67,24 @@ def _allocator_from(comm_state: object) -> Allocator:
 
 class DataParallel(nn.Module, Joinable):
     """Replicate ``module`` across the ranks of ``group`` and average gradients in backward.
+
+    torch DDP's arguments (positional or keyword, same order as torch 2.13):
+
+    * honoured: ``device_ids`` (None, or ``[the module's device]``: inputs are moved
+      there before forward), ``output_device`` (None or that device), ``dim`` (only
+      matters for multi-device scatter, which DDP no longer does), ``broadcast_buffers`` /
+      ``forward_sync_buffers``, ``init_sync`` (False: no layout check and no initial
+      broadcast), ``process_group`` (= ``group``), ``bucket_cap_mb`` (None: 25),
+      ``find_unused_parameters``;
+    * accepted with nothing to do: ``check_reduction`` (deprecated in torch),
+      ``gradient_as_bucket_view`` (``.grad`` is always a view into its bucket here; the
+      numbers are the same either way), ``static_graph`` (a hint for torch's reducer; ours
+      needs none), ``batched_grad_copy`` (a copy strategy; same numbers);
+    * refused, one line each: ``device_mesh``, ``delay_all_reduce_named_params``,
+      ``param_to_hook_all_reduce``, ``mixed_precision``,
+      ``skip_all_reduce_unused_params=True``, ``bucket_cap_mb_list``.
+
+    ddpkit's own options (keyword-only):
 
     Args:
         module: the model, already on its device(s); every rank builds the same one.
