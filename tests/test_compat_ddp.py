@@ -93,7 +93,8 @@ def run_accepted_arguments(world):
     keyword = ddpkit.DataParallel(nn.Linear(4, 2), device_ids=None,
                                   forward_sync_buffers=False, init_sync=False,
                                   process_group=torch.distributed.group.WORLD)
-    return ok and keyword.broadcast_buffers is False
+    on_its_device = ddpkit.DataParallel(nn.Linear(4, 2), device_ids=[torch.device("cpu")])
+    return ok and keyword.broadcast_buffers is False and on_its_device.device_ids is not None
 
 
 def test_torch_constructor_arguments_are_accepted(pools):

@@ -197,6 +197,24 @@ def uneven_inputs_join(DDP):
     return _state(model)
 
 
+def uneven_inputs_join_mean_of_active_ranks(DDP):
+    from torch.distributed.algorithms.join import Join
+
+    model = DDP(_mlp())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batches = [_batch(step) for step in range(2 + 3 * _rank())]
+    with Join([model], divide_by_initial_world_size=False):
+        for i, (x, y) in enumerate(batches):
+            if i % 2 == 0:
+                with model.no_sync():
+                    F.cross_entropy(model(x), y).backward()
+            else:
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    return _state(model)
+
+
 def _with_hook(DDP, make_hook):
     model = DDP(_mlp())
     state, hook = make_hook()
@@ -248,5 +266,6 @@ def compiled(DDP):
 SCRIPTS = {f.__name__: f for f in (
     accumulate_no_sync, accumulate_require_backward_grad_sync, adamw_clip_scheduler,
     bf16_autocast, gpt_tied_weights, cnn_batchnorm, unused_parameters, uneven_inputs_join,
+    uneven_inputs_join_mean_of_active_ranks,
     hook_allreduce, hook_fp16_compress, hook_powersgd,
 )}

@@ -62,7 +62,7 @@ def single_device(module: nn.Module, device_ids: Sequence[Any] | None,
     except (RuntimeError, TypeError):
         raise TorchArgumentError(f"device_ids={ids!r}: {ids[0]!r} is not a device") from None
     module_device = next(iter(devices)) if devices else wanted
-    if module_device.type == "cpu" or wanted != module_device:
+    if wanted != module_device:
         raise TorchArgumentError(
             f"device_ids={ids!r} but the module is on {where}; move the module there first "
             f"(model.to(device)), or pass device_ids=None"
