@@ -164,3 +164,24 @@ def test_torch_compile_of_the_wrapped_model_trains_like_torch_ddp(pools):
         assert diff < 1e-6, f"compiled ddpkit model differs from torch DDP's by {diff}"
     ours0, ours1 = results[0][2], results[1][2]
     assert all(torch.equal(ours0[k], ours1[k]) for k in ours0), "compiled replicas differ"
+
+
+def run_comm_hook_misuse(world):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = ddpkit.DataParallel(nn.Linear(4, 2))
+    not_callable = _one_line_error(lambda: model.register_comm_hook(None, "allreduce"))
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    twice = _one_line_error(lambda: model.register_comm_hook(None, default_hooks.allreduce_hook))
+    late = ddpkit.DataParallel(nn.Linear(4, 2))
+    late(torch.ones(1, 4)).sum().backward()
+    after_backward = _one_line_error(
+        lambda: late.register_comm_hook(None, default_hooks.allreduce_hook))
+    return not_callable, twice, after_backward
+
+
+def test_register_comm_hook_misuse_is_one_line(pools):
+    not_callable, twice, after_backward = pools(2).run(run_comm_hook_misuse)[0]
+    assert "must be callable" in not_callable
+    assert "already registered" in twice
+    assert "before the first forward" in after_backward
