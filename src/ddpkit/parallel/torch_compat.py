@@ -65,8 +65,7 @@ def single_device(module: nn.Module, device_ids: Sequence[Any] | None,
     if wanted != module_device:
         raise TorchArgumentError(
             f"device_ids={ids!r} but the module is on {where}; move the module there first "
-            f"(model.to(device)), or pass device_ids=None"
-            + (" (a CPU module takes device_ids=None)" if module_device.type == "cpu" else ""))
+            f"(model.to(device)), or pass device_ids=None")
     if output_device is not None and _as_device(output_device) != module_device:
         raise TorchArgumentError(
             f"output_device={output_device!r} differs from the module's device "
