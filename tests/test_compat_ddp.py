@@ -8,11 +8,11 @@ import change) on 2 gloo ranks, and the final parameters must be torch.equal.
 from __future__ import annotations
 
 import torch
-from compat_scripts import scripts
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import ddpkit
+from compat_scripts import scripts
 from ddpkit.errors import ConfigError
 
 

@@ -24,15 +24,15 @@ put it, possibly across several devices (model parallel inside each replica; the
 from __future__ import annotations
 
 import contextlib
-import sys
 import inspect
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, JoinHook, Joinable
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddpkit.errors import ConfigError
 from ddpkit.parallel import torch_compat
