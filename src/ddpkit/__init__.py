@@ -4,6 +4,7 @@ Public API (stable names): World, init, shutdown, distributed, spawn, and, as th
 land, DataParallel, join, Checkpointer and the comm/data subpackages.
 """
 
+from ddpkit import log  # noqa: F401 - installs the library's NullHandler
 from ddpkit import comm, data
 from ddpkit.checkpoint import Checkpointer
 from ddpkit.errors import CommError, ConfigError, DdpkitError

@@ -14,13 +14,23 @@ import sys
 from ddpkit.errors import DdpkitError
 
 # Order here is the order in `ddpkit --help`.
-COMMANDS = ("train", "verify", "launch", "topology", "bench", "plan", "slurm")
+COMMANDS = ("train", "verify", "launch", "topology", "bench", "plan", "slurm", "env")
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ddpkit")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddpkit", description="Distributed data-parallel training on PyTorch."
     )
+    parser.add_argument("--version", action="version", version=f"ddpkit {package_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"ddpkit.commands.{name}").register(sub)
@@ -28,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ddpkit.log import configure_cli_logging
+
+    configure_cli_logging()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

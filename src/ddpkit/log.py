@@ -3,6 +3,12 @@
 With N processes writing to one terminal, unprefixed output from every rank is noise.
 ``get_logger`` returns an adapter that drops records on non-zero ranks unless the call
 passes ``all_ranks=True``, prefixes ``[rank N]``, and offers ``warning_once``.
+
+Library etiquette: importing ddpkit adds only a ``NullHandler`` to the "ddpkit" logger
+and leaves propagation on, so an application's own ``logging`` setup (basicConfig,
+pytest's caplog) sees ddpkit's records. Handlers belong to the application: the
+``ddpkit`` command calls :func:`configure_cli_logging`, and marks the environment so the
+worker processes it launches configure the same stderr handler when they import ddpkit.
 """
 
 from __future__ import annotations
@@ -48,13 +54,36 @@ class RankLogger(logging.LoggerAdapter):
         self.warning(msg, all_ranks=all_ranks)
 
 
-def get_logger(name: str = "ddpkit") -> RankLogger:
-    logger = logging.getLogger(name)
+_CLI_MARK = "DDPKIT_CLI_LOGGING"
+
+
+def configure_cli_logging() -> None:
+    """Give the "ddpkit" logger a stderr handler (idempotent), for the ddpkit command.
+
+    Also sets ``DDPKIT_CLI_LOGGING=1`` so processes this one launches (the workers of
+    ``ddpkit train``/``launch``) do the same on import: they are part of the command.
+    """
+    os.environ[_CLI_MARK] = "1"
     root = logging.getLogger("ddpkit")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-        root.addHandler(handler)
-        root.setLevel(os.environ.get("DDPKIT_LOG_LEVEL", "INFO").upper())
-        root.propagate = False
-    return RankLogger(logger, {})
+    if any(getattr(h, "_ddpkit_cli", False) for h in root.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    handler._ddpkit_cli = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("DDPKIT_LOG_LEVEL", "INFO").upper())
+
+
+def get_logger(name: str = "ddpkit") -> RankLogger:
+    return RankLogger(logging.getLogger(name), {})
+
+
+def _install_library_handler() -> None:
+    root = logging.getLogger("ddpkit")
+    if not any(isinstance(h, logging.NullHandler) for h in root.handlers):
+        root.addHandler(logging.NullHandler())
+    if os.environ.get(_CLI_MARK) == "1":
+        configure_cli_logging()
+
+
+_install_library_handler()
