@@ -61,7 +61,7 @@ def ddpkit_options(hook: str | None) -> dict:
     if hook is None:
         return {}
     if hook == "shm":
-        from ddpkit.comm.shm_hook import ShmState, shm_hook
+        from ddpkit.comm.shm.hook import ShmState, shm_hook
 
         return {"comm_hook": shm_hook, "comm_state": ShmState()}
     from ddpkit.parallel.hooks import HOOKS

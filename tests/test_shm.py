@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddpkit.comm import ops, shm_segment
+from ddpkit.comm import ops
+from ddpkit.comm.shm import segment as shm_segment
 from ddpkit.errors import CommError
 
 SIZES = (0, 1, 7, 1000, 40_001)  # empty, one, not divisible by W, small path, slotted path
@@ -196,7 +197,7 @@ def hook_training(world, steps) -> list[float]:
     parameters after a few steps of SGD, and identical across ranks."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddpkit.comm.shm_hook import ShmState, shm_hook
+    from ddpkit.comm.shm.hook import ShmState, shm_hook
 
     def make():
         torch.manual_seed(0)
@@ -229,7 +230,7 @@ def test_shm_hook_trains_like_torch_ddp(pools):
 
 
 def state_allocates_shared_buckets(world) -> list:
-    from ddpkit.comm.shm_hook import ShmState, shm_hook
+    from ddpkit.comm.shm.hook import ShmState, shm_hook
 
     state = ShmState()
     bucket_storage = state.allocate(1000, torch.float32, "cpu")
@@ -281,7 +282,7 @@ def too_big(world, run) -> list:
     except CommError as exc:
         error = str(exc)
     # The hook's state falls back to the backend and training goes on.
-    from ddpkit.comm.shm_hook import ShmState
+    from ddpkit.comm.shm.hook import ShmState
 
     state = ShmState(slot_mb=slot_mb, run=run)
     x = torch.full((10,), float(world.rank))
@@ -328,7 +329,7 @@ def test_failed_attach_raises_on_every_rank_and_leaves_nothing(pools):
 
 _CREATE_AND_HANG = """
 import sys, time
-from ddpkit.comm import shm_segment as s
+from ddpkit.comm.shm import segment as s
 seg = s.create(s.new_name(sys.argv[1], "ctl"), 1 << 20)
 print(seg.name, flush=True)
 time.sleep(600)
@@ -364,7 +365,7 @@ def test_segment_of_a_killed_rank_is_removed_at_restart(pools):
 
 
 def test_waiting_for_a_dead_or_stuck_peer_raises():
-    from ddpkit.comm.shm_sync import Control, block_bytes
+    from ddpkit.comm.shm.sync import Control, block_bytes
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -412,7 +413,7 @@ def ddpkit_engine_training(world, steps) -> dict:
     """ddpkit.DataParallel with buckets allocated in shared memory and the shm hook,
     against the same engine with its default all-reduce."""
     import ddpkit
-    from ddpkit.comm.shm_hook import ShmState, shm_hook
+    from ddpkit.comm.shm.hook import ShmState, shm_hook
 
     def make():
         torch.manual_seed(0)
@@ -453,7 +454,7 @@ def uneven_inputs_with_join(world) -> dict:
     """ddpkit.join: ranks with fewer batches mirror the collectives of the others; the
     shm hook must divide as the engine says (bucket.divisor()) to match the default."""
     import ddpkit
-    from ddpkit.comm.shm_hook import ShmState, shm_hook
+    from ddpkit.comm.shm.hook import ShmState, shm_hook
 
     def make():
         torch.manual_seed(0)

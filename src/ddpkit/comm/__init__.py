@@ -4,7 +4,7 @@
 torch's arguments plus ``algo=``: "ring" (our segmented ring on point-to-point),
 "naive_ring" (the tutorial's unsegmented one), "backend" (torch's own collective),
 "auto", or any name added with :func:`register_algorithm` (e.g. "shm", registered by
-``ddpkit.comm.shm`` when it is importable). See docs/collectives.md.
+``ddpkit.comm.shm``, same-host shared memory). See docs/collectives.md.
 """
 
 from ddpkit.comm.backend import BackendAlgorithm

@@ -10,25 +10,18 @@ divides), ``src``/``dst`` are global ranks, and the group has at least two ranks
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from ddpkit.comm.backend import BackendAlgorithm
 from ddpkit.comm.ring import RingAlgorithm
+from ddpkit.comm.shm import allreduce as shm_allreduce
 from ddpkit.errors import CommError
-from ddpkit.log import get_logger
 
-log = get_logger(__name__)
-
-# Modules that register algorithms when imported; missing ones are simply not built yet.
-_PLUGINS = ("ddpkit.comm.shm",)
 # "auto" asks these first (shared memory beats the network whenever it applies), then
 # every other algorithm with a supports() in registration order, then falls back to backend.
 _AUTO_FIRST = ("shm",)
 
 _algorithms: dict[str, object] = {}
-_plugins_loaded = False
 
 
 def register_algorithm(name: str, impl: object, *, replace: bool = False) -> None:
@@ -46,29 +39,12 @@ def unregister_algorithm(name: str) -> None:
     _algorithms.pop(name, None)
 
 
-def _load_plugins() -> None:
-    global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    for module in _PLUGINS:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                log.warning_once(f"ddpkit.comm: could not load {module}: {exc}")
-        except Exception as exc:  # an optional algorithm must not take the others down
-            log.warning_once(f"ddpkit.comm: could not load {module}: {type(exc).__name__}: {exc}")
-
-
 def algorithms() -> tuple[str, ...]:
     """Names accepted by ``algo=`` besides "auto", in registration order."""
-    _load_plugins()
     return tuple(_algorithms)
 
 
 def get_algorithm(name: str) -> object:
-    _load_plugins()
     try:
         return _algorithms[name]
     except (KeyError, TypeError):
@@ -80,7 +56,6 @@ def resolve(algo: str, tensor: torch.Tensor, group) -> tuple[str, object]:
     """(name, impl) for ``algo``; "auto" picks the first willing specialised algorithm."""
     if algo != "auto":
         return algo, get_algorithm(algo)
-    _load_plugins()
     order = [n for n in _AUTO_FIRST if n in _algorithms]
     order += [n for n in _algorithms if n not in order]
     for name in order:
@@ -104,3 +79,6 @@ register_algorithm("ring", RingAlgorithm())
 # The tutorial's ring: one message per chunk, nothing overlapped. Kept to show what
 # segmenting buys (see `ddpkit bench collectives --algo naive_ring,ring,backend`).
 register_algorithm("naive_ring", RingAlgorithm(None, min_segments=1, in_flight=1))
+# Same-host shared memory; its supports() declines where /dev/shm or the memory model
+# does not allow it, so registering it everywhere is safe.
+register_algorithm("shm", shm_allreduce)

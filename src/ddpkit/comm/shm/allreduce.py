@@ -21,8 +21,8 @@ host all-reduces the host's partial result over the backend (a gloo subgroup of
 leaders), then the leader's copy is read back by its host's ranks: hierarchical
 all-reduce, chosen automatically from the ranks' host identities.
 
-Importing this module registers algorithm "shm" with :mod:`ddpkit.comm`
-(``algo="shm"``, and first choice of ``algo="auto"`` for CPU tensors on one host).
+:mod:`ddpkit.comm.registry` registers this module as algorithm "shm" (``algo="shm"``,
+and first choice of ``algo="auto"`` for CPU tensors on one host).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import sys
 import weakref
 from dataclasses import dataclass
 
@@ -38,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import groups, ops
-from ddpkit.comm import shm_segment as segment
-from ddpkit.comm.shm_sync import META_WORDS, Control, block_bytes, memory_model_ok
+from ddpkit.comm.shm import segment
+from ddpkit.comm.shm.sync import META_WORDS, Control, block_bytes, memory_model_ok
 from ddpkit.errors import CommError
 from ddpkit.log import get_logger
 
@@ -553,13 +552,3 @@ def supports(tensor: torch.Tensor, group=None) -> bool:
         dist.all_gather_object(keys, host_key(), group=group)
         _hosts[key] = len(set(keys)) == 1
     return _hosts[key]
-
-
-def _register() -> None:
-    comm_pkg = sys.modules.get("ddpkit.comm")
-    register = getattr(comm_pkg, "register_algorithm", None)
-    if register is not None:
-        register("shm", sys.modules[__name__])
-
-
-_register()

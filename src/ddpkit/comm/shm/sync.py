@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from ddpkit.comm.shm_segment import pid_alive
+from ddpkit.comm.shm.segment import pid_alive
 from ddpkit.errors import CommError
 
 LINE_WORDS = 16  # int64 words per rank line (128 bytes)

@@ -17,7 +17,7 @@ training goes on, only slower.
 import torch
 import torch.distributed as dist
 
-from ddpkit.comm import shm
+from ddpkit.comm.shm import allreduce as shm
 from ddpkit.errors import CommError
 from ddpkit.log import get_logger
 
