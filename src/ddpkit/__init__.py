@@ -4,8 +4,12 @@ Public API (stable names): World, init, shutdown, distributed, spawn, and, as th
 land, DataParallel, join, Checkpointer and the comm/data subpackages.
 """
 
-from ddpkit import log  # noqa: F401 - installs the library's NullHandler
-from ddpkit import comm, data
+# ddpkit.log installs the library's NullHandler on import (handlers belong to the application).
+from ddpkit import (
+    comm,
+    data,
+    log,  # noqa: F401 - installs the library's NullHandler
+)
 from ddpkit.checkpoint import Checkpointer
 from ddpkit.errors import CommError, ConfigError, DdpkitError
 from ddpkit.parallel import DataParallel, join
