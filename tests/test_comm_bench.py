@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from ddpkit.cli import main as cli_main
-from ddpkit.comm import bench
+from ddpkit.bench import collectives as bench
 from ddpkit.errors import ConfigError
 
 

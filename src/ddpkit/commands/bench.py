@@ -1,38 +1,26 @@
 """``ddpkit bench <what>``: benchmarks that print a table and write CSV/JSON/PNG.
 
-``bench collectives`` lives here. Other benchmarks plug in without editing this file:
-a module ``ddpkit.commands.bench_<name>`` (for a name in BENCHES) exposing
-``register(bench_subparsers)`` is picked up when it exists, like top-level commands.
+``bench collectives`` lives here, ``bench shm`` in :mod:`ddpkit.commands.bench_shm`; the
+harnesses themselves are in :mod:`ddpkit.bench`. To add a benchmark, add its
+``register(bench_subparsers)`` to BENCHES.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 import time
 
+from ddpkit.commands import bench_shm
 from ddpkit.errors import ConfigError
-
-# Order here is the order in `ddpkit bench --help`; missing modules are skipped.
-BENCHES = ("collectives", "ddp", "shm", "train")
 
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: collectives bus bandwidth, ...")
     bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    for name in BENCHES:
-        if name == "collectives":
-            _register_collectives(bench_sub)
-            continue
-        try:
-            module = importlib.import_module(f"ddpkit.commands.bench_{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"ddpkit.commands.bench_{name}":
-                raise
-            continue
-        module.register(bench_sub)
+    for register_bench in BENCHES:
+        register_bench(bench_sub)
 
 
 def _register_collectives(bench_sub) -> None:
@@ -66,7 +54,7 @@ def _register_collectives(bench_sub) -> None:
 
 
 def run_collectives(args) -> int:
-    from ddpkit.comm import bench
+    from ddpkit.bench import collectives as bench
 
     algos = tuple(a.strip() for a in args.algo.split(",") if a.strip())
     cfg = bench.BenchConfig(
@@ -95,3 +83,7 @@ def _fresh_dir(prefix: str) -> str:
         n += 1
         path = f"{prefix}-{stamp}-{n}"
     return path
+
+
+# Order here is the order in `ddpkit bench --help`.
+BENCHES = (_register_collectives, bench_shm.register)

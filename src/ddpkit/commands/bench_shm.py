@@ -10,7 +10,7 @@ from ddpkit.errors import ConfigError
 
 
 def register(bench_sub) -> None:
-    from ddpkit.comm import shm_bench
+    from ddpkit.bench import shm as shm_bench
 
     p = bench_sub.add_parser(
         "shm",
@@ -33,7 +33,7 @@ def register(bench_sub) -> None:
 
 
 def run(args) -> int:
-    from ddpkit.comm import shm_bench
+    from ddpkit.bench import shm as shm_bench
 
     if args.nproc < 2:
         raise ConfigError(f"--nproc must be >= 2 to compare all-reduces, got {args.nproc}")

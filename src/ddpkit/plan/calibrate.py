@@ -113,7 +113,7 @@ def points_from_bench_json(path: str | Path, algo: str = "backend") -> tuple[lis
 def measure(nproc: int = 2, sizes: str = DEFAULT_SIZES, threads: int | None = 1,
             repeats: int = 5):
     """Run the collectives benchmark (torch's own all-reduce) and return its result."""
-    from ddpkit.comm import bench
+    from ddpkit.bench import collectives as bench
 
     cfg = bench.BenchConfig(op="all_reduce", algos=("backend",),
                             sizes=tuple(bench.parse_sizes(sizes)), nproc=nproc,
