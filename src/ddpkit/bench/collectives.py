@@ -16,7 +16,6 @@ its time is the slowest rank's. The table reports the median round.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
+from ddpkit.bench.output import pyplot, save_figure, write_csv, write_json
 from ddpkit.errors import ConfigError
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -351,16 +351,9 @@ def write_outputs(result: BenchResult, out_dir: str, plot: bool = True) -> list[
     os.makedirs(out_dir, exist_ok=True)
     stem = _stem(out_dir, result.config.op)
     paths = [stem + ".csv", stem + ".json"]
-    fields = list(asdict(result.rows[0]).keys()) if result.rows else []
-    with open(paths[0], "w") as f:
-        f.write(",".join(fields) + "\n")
-        for r in result.rows:
-            d = asdict(r)
-            f.write(",".join(_csv_value(d[k]) for k in fields) + "\n")
-    with open(paths[1], "w") as f:
-        json.dump({"config": asdict(result.config), "meta": result.meta,
-                   "rows": [asdict(r) for r in result.rows]}, f, indent=2)
-        f.write("\n")
+    write_csv(paths[0], [asdict(r) for r in result.rows], value=_csv_value, lineterminator="\n")
+    write_json(paths[1], {"config": asdict(result.config), "meta": result.meta,
+                          "rows": [asdict(r) for r in result.rows]}, indent=2, final_newline=True)
     if plot:
         paths.append(stem + ".png")
         _plot(result, paths[-1])
@@ -379,13 +372,8 @@ def _short_bytes(n: int) -> str:
 
 
 def _plot(result: BenchResult, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cfg = result.config
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = pyplot().subplots(figsize=(7, 4.2))
     for algo in cfg.algos:
         rows = sorted((r for r in result.rows if r.algo == algo), key=lambda r: r.bytes)
         ax.plot([r.bytes for r in rows], [r.busbw_gbps for r in rows], marker="o", label=algo)
@@ -396,8 +384,4 @@ def _plot(result: BenchResult, path: str) -> None:
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(f"{cfg.op}, {cfg.nproc} ranks, {cfg.dtype} (median of {cfg.repeats})")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, (ax,), path, dpi=110)

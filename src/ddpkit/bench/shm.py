@@ -16,8 +16,6 @@ verdict on the targets (busbw >= 3x gloo at >= 4 MiB, latency <= 1/10 of gloo at
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 import statistics
 import time
@@ -25,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ddpkit.bench.output import pyplot, save_figure, write_csv, write_json
 
 ALGOS = ("gloo", "shm-copy", "shm")
 DEFAULT_SIZES = "4,1K,16K,64K,256K,1M,4M,16M,32M"
@@ -144,23 +144,15 @@ def verdicts(rows: list[dict]) -> list[str]:
 def write_outputs(rows: list[dict], out_dir: str, plot: bool = True) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "shm.json"), os.path.join(out_dir, "shm.csv")]
-    with open(paths[0], "w") as f:
-        json.dump(rows, f, indent=1)
-    with open(paths[1], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_json(paths[0], rows, indent=1, final_newline=False)
+    write_csv(paths[1], rows)
     if plot:
         paths.append(_plot(rows, os.path.join(out_dir, "shm.png")))
     return paths
 
 
 def _plot(rows: list[dict], path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for algo in ALGOS:
         mine = [r for r in rows if r["algo"] == algo]
@@ -169,13 +161,7 @@ def _plot(rows: list[dict], path: str) -> str:
         right.semilogx(sizes, [r["busbw_GBps"] for r in mine], marker="o", label=algo)
     left.set(xlabel="message size (bytes)", ylabel="time per all_reduce (us)", title="latency")
     right.set(xlabel="message size (bytes)", ylabel="bus bandwidth (GB/s)", title="bandwidth")
-    for ax in (left, right):
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, (left, right), path, dpi=100)
 
 
 def run(cfg: Config) -> list[dict]:
