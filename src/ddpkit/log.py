@@ -57,6 +57,19 @@ class RankLogger(logging.LoggerAdapter):
 _CLI_MARK = "DDPKIT_CLI_LOGGING"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at emit time, not at configuration time,
+    so a replaced stderr (pytest's capture, a redirect) is never written after close."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def configure_cli_logging() -> None:
     """Give the "ddpkit" logger a stderr handler (idempotent), for the ddpkit command.
 
@@ -65,11 +78,10 @@ def configure_cli_logging() -> None:
     """
     os.environ[_CLI_MARK] = "1"
     root = logging.getLogger("ddpkit")
-    if any(getattr(h, "_ddpkit_cli", False) for h in root.handlers):
+    if any(isinstance(h, _StderrHandler) for h in root.handlers):
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
-    handler._ddpkit_cli = True  # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(os.environ.get("DDPKIT_LOG_LEVEL", "INFO").upper())
 
