@@ -101,7 +101,15 @@ def _state(model):
 
 
 def _max_diff(xs, ys):
-    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(xs, ys))
+    """Largest |x - y| over two lists of tensors; fails on NaN or inf in either.
+
+    A NaN compares false with everything, so Python's ``max`` over per-tensor maxima drops
+    one that is not first: a NaN parameter read as 0.0 and passed the ``== 0.0`` checks."""
+    xs, ys = list(xs), list(ys)
+    assert len(xs) == len(ys), f"{len(xs)} tensors against {len(ys)}"
+    diffs = torch.cat([(x.double() - y.double()).abs().flatten() for x, y in zip(xs, ys)])
+    assert bool(torch.isfinite(diffs).all()), "NaN or inf in the compared tensors"
+    return float(diffs.max())
 
 
 # -- equivalence with one process ----------------------------------------------------------
