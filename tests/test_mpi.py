@@ -22,8 +22,7 @@ from test_multinode import (
     TRAIN_ARGS,
     assert_same_training,
     child_env,
-    reference_results,
-    train_results,
+    reference_run,
     world_lines,
 )
 from test_slurm import free_port
@@ -60,7 +59,7 @@ def test_world_from_simulated_openmpi_variables():
 @pytest.mark.skipif(shutil.which("mpirun") is None,
                     reason="OpenMPI's mpirun is not installed (apt-get install -y openmpi-bin)")
 def test_mpirun_train_equals_one_node_run(tmp_path, tmp_path_factory):
-    want = reference_results(tmp_path_factory)
+    want = reference_run(tmp_path_factory)
     out = tmp_path / "runs"
     cmd = ["mpirun", "-n", "2", "--allow-run-as-root", "--oversubscribe",
            "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}",
@@ -70,4 +69,4 @@ def test_mpirun_train_equals_one_node_run(tmp_path, tmp_path_factory):
                           timeout=NODE_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 rank(s) x 64 = global batch 128" in proc.stdout + proc.stderr
-    assert_same_training(train_results(out), want)
+    assert_same_training(out, want)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import ROOT
 from ddpkit.launch import LaunchOptions, route_to, torchrun_argv
@@ -44,31 +45,46 @@ TRAIN_ARGS = ("--epochs", "2", "--seed", "7", "--threads", "1", "--no-progress")
 TIMING_KEYS = {"samples_per_s", "time_s", "train_time_s"}
 
 
-def train_results(out_dir: Path) -> list[dict]:
-    """Every epoch's losses and accuracies (timings dropped) of the one run in ``out_dir``."""
+def the_run(out_dir: Path) -> Path:
     runs = sorted(p for p in Path(out_dir).iterdir() if p.is_dir())
     assert len(runs) == 1, f"expected one run directory in {out_dir}, found {runs}"
-    lines = (runs[0] / "metrics.jsonl").read_text().splitlines()
+    return runs[0]
+
+
+def train_results(out_dir: Path) -> list[dict]:
+    """Every epoch's losses and accuracies (timings dropped) of the one run in ``out_dir``."""
+    lines = (the_run(out_dir) / "metrics.jsonl").read_text().splitlines()
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING_KEYS} for line in lines]
 
 
-def reference_results(tmp_path_factory) -> list[dict]:
-    """`ddpkit train` on 1 node x 2 processes (run once a session, shared by the
-    multi-node, SLURM and MPI tests, which must all reproduce it bit for bit)."""
+def final_model(out_dir: Path) -> dict[str, torch.Tensor]:
+    """The trained weights the run saved (``model.pt``, documented in docs/training.md)."""
+    return torch.load(the_run(out_dir) / "model.pt", map_location="cpu", weights_only=True)
+
+
+def reference_run(tmp_path_factory) -> Path:
+    """`ddpkit train` on 1 node x 2 processes, its --out-dir (run once a session, shared
+    by the multi-node, SLURM and MPI tests, which must all reproduce it bit for bit)."""
     out = tmp_path_factory.getbasetemp() / "multinode_reference"
     if not out.exists():
         proc = subprocess.run([*DDPKIT, "train", "--nproc-per-node", "2", *TRAIN_ARGS,
                                "--out-dir", str(out)], cwd=ROOT, env=child_env(),
                               capture_output=True, text=True, timeout=NODE_TIMEOUT_S)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return train_results(out)
+    return out
 
 
-def assert_same_training(got: list[dict], want: list[dict]) -> None:
-    """Same losses and accuracies, as floats, in every epoch: equal only if every rank
-    saw the right shard and every gradient sum came out bit for bit the same."""
-    assert len(got) == len(want) == 2
-    for epoch_got, epoch_want in zip(got, want):
+def assert_same_training(got_out: Path, want_out: Path) -> None:
+    """Bit-for-bit the same final parameters and buffers (``torch.equal`` on every key of
+    model.pt), which holds only if every rank saw the right shard and every gradient sum
+    came out the same; and the same per-epoch losses and accuracies, as floats."""
+    got, want = final_model(got_out), final_model(want_out)
+    assert sorted(got) == sorted(want)
+    differ = [key for key in want if not torch.equal(got[key], want[key])]
+    assert not differ, f"final parameters differ from the one-node run in {differ}"
+    got_epochs, want_epochs = train_results(got_out), train_results(want_out)
+    assert len(got_epochs) == len(want_epochs) == 2
+    for epoch_got, epoch_want in zip(got_epochs, want_epochs):
         assert epoch_got == epoch_want
 
 
@@ -159,7 +175,7 @@ def start_node(host: Host, endpoint: str, run_id: str, out: Path, log: Path) -> 
 # ---------------------------------------------------------------------------- tests
 @pytest.mark.netns
 def test_two_hosts_over_veth_equal_one_host(two_hosts, tmp_path, tmp_path_factory):
-    want = reference_results(tmp_path_factory)
+    want = reference_run(tmp_path_factory)
     host_a, host_b = two_hosts
     # A fresh namespace has no other listener: a fixed port inside it cannot collide.
     endpoint = f"{host_a.addr}:29400"
@@ -188,7 +204,7 @@ def test_two_hosts_over_veth_equal_one_host(two_hosts, tmp_path, tmp_path_factor
     # rank 0, the only rank that writes a run directory.
     assert "2 rank(s) x 64 = global batch 128" in logs[0]
     assert not any((tmp_path / host_b.netns).iterdir())
-    assert_same_training(train_results(tmp_path / host_a.netns), want)
+    assert_same_training(tmp_path / host_a.netns, want)
 
 
 def test_route_to_own_address_names_its_interface():

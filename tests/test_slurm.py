@@ -28,8 +28,7 @@ from test_multinode import (
     TRAIN_ARGS,
     assert_same_training,
     child_env,
-    reference_results,
-    train_results,
+    reference_run,
     world_lines,
 )
 
@@ -181,7 +180,7 @@ def test_preempted_job_is_requeued_and_ends_like_one_uninterrupted_node(
     """USR1 mid-epoch (SLURM's warning): every rank checkpoints, the job exits 75 and asks
     for a requeue; the requeued job (SLURM_RESTART_COUNT=1) continues in the same run
     directory and ends with an uninterrupted 1-node, 2-process run's epochs, bit for bit."""
-    want = reference_results(tmp_path_factory)
+    want = reference_run(tmp_path_factory)
     env_for, log = fake_slurm
     out = tmp_path / "runs"
     script = write(SlurmJob(nodes=2, gpus_per_node=0, tasks_per_node=1,
@@ -213,7 +212,7 @@ def test_preempted_job_is_requeued_and_ends_like_one_uninterrupted_node(
     proc = sbatch_here(script, {**env, "SLURM_RESTART_COUNT": "1"})  # what SLURM sets
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "resumed at step 5" in proc.stdout + proc.stderr
-    assert_same_training(train_results(out), want)
+    assert_same_training(out, want)
 
 
 def test_usr1_reaches_workers_and_requeues(tmp_path, fake_slurm):
