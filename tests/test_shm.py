@@ -205,6 +205,19 @@ def hook_training(world, steps) -> list[float]:
 
     reference, ours = DDP(make()), DDP(make(), bucket_cap_mb=0.005)  # several buckets
     state = ShmState(slot_mb=SLOT_MB)
+    # Without shared memory the hook warns and reduces through gloo, which trains the same:
+    # count what actually goes through the shm communicator (created collectively here
+    # rather than at the first bucket).
+    comm = state.communicator
+    assert comm is not None, "the shm hook fell back to the backend's all_reduce"
+    reduced = []  # numel of every tensor the shm communicator reduced
+    shm_all_reduce = comm.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        reduced.append(tensor.numel())
+        return shm_all_reduce(tensor, *args, **kwargs)
+
+    comm.all_reduce = counting_all_reduce
     ours.register_comm_hook(state, shm_hook)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, ours)]
     g = torch.Generator().manual_seed(world.rank)
@@ -214,19 +227,22 @@ def hook_training(world, steps) -> list[float]:
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
+    still_shm = state.communicator is comm
     state.close()
     diff = max((a - b).abs().max().item()
                for a, b in zip(reference.parameters(), ours.parameters()))
     flat = torch.cat([p.detach().flatten() for p in ours.parameters()])
     spread = flat.clone()
     dist.all_reduce(spread, dist.ReduceOp.MAX)
-    return [diff, (spread - flat).abs().max().item()]
+    gradients = steps * sum(p.numel() for p in ours.parameters())
+    return [diff, (spread - flat).abs().max().item(), still_shm, sum(reduced), gradients]
 
 
 def test_shm_hook_trains_like_torch_ddp(pools):
-    for diff, spread in pools(2).run(hook_training, 5):
+    for diff, spread, still_shm, through_shm, gradients in pools(2).run(hook_training, 5):
         assert diff < 1e-5  # same math, summation order may differ in the last bit
         assert spread == 0.0  # every rank holds bit-identical parameters
+        assert still_shm and through_shm == gradients  # every gradient went through shm
 
 
 def state_allocates_shared_buckets(world) -> list:
