@@ -8,8 +8,8 @@ import torch
 
 from ddpkit.train.config import resolve
 
-CFG = resolve({"data": "synthetic", "synthetic_size": 300, "batch_size": 32, "epochs": 2,
-               "threads": 1}).to_dict()  # 10 steps per epoch, the last one padded
+CFG = resolve({"data": "synthetic", "synthetic_size": 299, "batch_size": 32, "epochs": 2,
+               "threads": 1}).to_dict()  # 10 steps per epoch, the last one 6 + 5 samples, padded
 
 
 def _run(world, cfg_dict, save_at, state=None):
