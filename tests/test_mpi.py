@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, skip_unless_required
 from test_multinode import (
     DDPKIT,
     NODE_TIMEOUT_S,
@@ -30,6 +30,7 @@ from test_slurm import free_port
 EXAMPLE = str(Path(ROOT) / "examples" / "40_mpi_train.py")
 
 
+@pytest.mark.slow
 def test_world_from_simulated_openmpi_variables():
     port = str(free_port())
     procs = [
@@ -56,9 +57,10 @@ def test_world_from_simulated_openmpi_variables():
                             nnodes=1, source="openmpi")] for r in (0, 1)]
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None,
-                    reason="OpenMPI's mpirun is not installed (apt-get install -y openmpi-bin)")
+@pytest.mark.slow
 def test_mpirun_train_equals_one_node_run(tmp_path, tmp_path_factory):
+    if shutil.which("mpirun") is None:
+        skip_unless_required("OpenMPI's mpirun is not installed (apt-get install -y openmpi-bin)")
     want = reference_run(tmp_path_factory)
     out = tmp_path / "runs"
     cmd = ["mpirun", "-n", "2", "--allow-run-as-root", "--oversubscribe",

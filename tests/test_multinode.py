@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, skip_unless_required
 from ddpkit.launch import LaunchOptions, route_to, torchrun_argv
 
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
@@ -131,9 +131,10 @@ def _free_subnet() -> str:
 @pytest.fixture
 def two_hosts(request) -> tuple[Host, Host]:
     if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (run the suite as root to test two hosts)")
+        skip_unless_required("network namespaces need root (run the suite as root to test "
+                             "two hosts)")
     if shutil.which("ip") is None:
-        pytest.skip("`ip` (iproute2) is not installed; apt-get install iproute2")
+        skip_unless_required("`ip` (iproute2) is not installed; apt-get install iproute2")
     token = secrets.token_hex(3)  # unique per run: parallel runs never share names
     prefix = _free_subnet()
     hosts = (Host(f"ddpk-a-{token}", f"dka{token}", f"{prefix}.1"),
@@ -147,7 +148,7 @@ def two_hosts(request) -> tuple[Host, Host]:
     request.addfinalizer(cleanup)
     first = _ip("netns", "add", hosts[0].netns)
     if first.returncode:
-        pytest.skip(f"cannot create a network namespace: {first.stderr.strip()}")
+        skip_unless_required(f"cannot create a network namespace: {first.stderr.strip()}")
     steps = [("netns", "add", hosts[1].netns),
              ("link", "add", hosts[0].ifname, "type", "veth", "peer", "name", hosts[1].ifname)]
     for host in hosts:
@@ -159,7 +160,8 @@ def two_hosts(request) -> tuple[Host, Host]:
         done = _ip(*step)
         if done.returncode:
             command = "ip " + " ".join(step)
-            pytest.skip(f"cannot build the veth pair (`{command}`): {done.stderr.strip()}")
+            skip_unless_required(f"cannot build the veth pair (`{command}`): "
+                                 f"{done.stderr.strip()}")
     return hosts
 
 
@@ -173,6 +175,7 @@ def start_node(host: Host, endpoint: str, run_id: str, out: Path, log: Path) -> 
 
 
 # ---------------------------------------------------------------------------- tests
+@pytest.mark.slow
 @pytest.mark.netns
 def test_two_hosts_over_veth_equal_one_host(two_hosts, tmp_path, tmp_path_factory):
     want = reference_run(tmp_path_factory)
@@ -207,12 +210,14 @@ def test_two_hosts_over_veth_equal_one_host(two_hosts, tmp_path, tmp_path_factor
     assert_same_training(tmp_path / host_a.netns, want)
 
 
+@pytest.mark.unit
 def test_route_to_own_address_names_its_interface():
     if shutil.which("ip") is None:
-        pytest.skip("`ip` (iproute2) is not installed")
+        skip_unless_required("`ip` (iproute2) is not installed; apt-get install iproute2")
     assert route_to("127.0.0.1") == ("127.0.0.1", "lo")
 
 
+@pytest.mark.unit
 def test_every_node_publishes_the_address_that_reaches_the_endpoint():
     """Without --local-addr torchrun would publish getfqdn() (often 'localhost'), which
     becomes MASTER_ADDR for every worker whenever that node sorts first."""

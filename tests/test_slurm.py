@@ -108,6 +108,7 @@ def sbatch_here(script: Path, env: dict[str, str]) -> subprocess.CompletedProces
 
 
 # ------------------------------------------------------------------ the script itself
+@pytest.mark.unit
 def test_script_directives_and_command(tmp_path):
     job = SlurmJob(nodes=4, gpus_per_node=8, command=("train", "--epochs", "3", "--lr", "0.2"),
                    time="12:00:00", partition="gpu", account="proj1", cpus_per_task=6)
@@ -128,6 +129,7 @@ def test_script_directives_and_command(tmp_path):
     assert proc.returncode == 0, proc.stderr  # valid bash
 
 
+@pytest.mark.unit
 def test_never_overwrites_without_force(tmp_path):
     path = tmp_path / "job.sbatch"
     path.write_text("precious\n")
@@ -148,6 +150,7 @@ def test_never_overwrites_without_force(tmp_path):
     (["--nodes", "2", "--gpus-per-node", "8", "--", "rm", "-rf"], "expected `-- train ARGS`"),
     (["--nodes", "2", "--gpus-per-node", "8"], "nothing to run"),
 ])
+@pytest.mark.unit
 def test_cli_rejects_bad_input_in_one_line(tmp_path, capsys, args, message):
     assert cli.main(["slurm", "--script", str(tmp_path / "x.sbatch"), *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -158,11 +161,13 @@ def test_cli_rejects_bad_input_in_one_line(tmp_path, capsys, args, message):
 @pytest.mark.parametrize(("limit", "seconds"), [
     ("90", 5400), ("1:30", 90), ("2:00:00", 7200), ("1-00", 86400), ("1-02:03", 93780),
     ("1-02:03:04", 93784)])
+@pytest.mark.unit
 def test_time_limits(limit, seconds):
     assert time_limit_seconds(limit) == seconds
 
 
 # ------------------------------------------------------- worker side, simulated SLURM
+@pytest.mark.slow
 def test_worker_world_from_slurm_variables(tmp_path, fake_slurm):
     env_for, log = fake_slurm
     script = write(SlurmJob(nodes=2, gpus_per_node=0, tasks_per_node=1,
@@ -175,6 +180,7 @@ def test_worker_world_from_slurm_variables(tmp_path, fake_slurm):
     assert log.read_text().splitlines() == ["show hostnames node[01-02]"]
 
 
+@pytest.mark.slow
 def test_preempted_job_is_requeued_and_ends_like_one_uninterrupted_node(
         tmp_path, tmp_path_factory, fake_slurm):
     """USR1 mid-epoch (SLURM's warning): every rank checkpoints, the job exits 75 and asks

@@ -145,6 +145,7 @@ def test_verify_tolerance_scales_with_dtype():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_ddpkit_verify_cli():
     proc = subprocess.run([sys.executable, "-m", "ddpkit.cli", "verify", "--nproc-per-node", "2",
                            "--steps", "3"],
