@@ -1,15 +1,23 @@
 """``ddpkit launch``: torchrun's elastic agent with safer defaults and a readable failure.
 
-We do not write an agent: the arguments are turned into torchrun's own and handed to
-``torch.distributed.run`` (``torch.distributed.run.run``), so a script that
-runs under plain torchrun runs unchanged here. What we add:
+We do not write an agent. ``ddpkit launch`` takes any torchrun command line, reads it
+with torchrun's own parser (``ddpkit.torchrun_args``) and hands it to
+``torch.distributed.run.run`` (the real agent), so a script and a command line that run
+under plain torchrun run unchanged here. What we add, each only where the user left the
+choice open:
 
-* standalone rendezvous on a free port by default (no hard-coded 29500);
-* per-rank output prefixed ``[default<local rank>]:`` (torchrun's ``--tee``);
-* a multi-node endpoint that is one of this host's own addresses marks this node as the
-  store host (``is_host=1``): torchrun decides that by hostname, which fails inside
-  containers and network namespaces and leaves every node waiting as a client;
+* one process per accelerator (2 on CPU); a single-node run on a free port (torchrun
+  does that too when neither --master-port nor --rdzv-endpoint is given);
+* per-rank output prefixed ``[<role><local rank>]:`` (torchrun's ``--tee 3``);
+* multi-node c10d: an endpoint that is one of this host's own addresses marks this node as
+  the store host (``is_host=1``; torchrun decides that by hostname, which fails inside
+  containers and network namespaces and leaves every node waiting as a client), the
+  address of the route toward the endpoint is published (``--local-addr``), and gloo
+  uses that route's interface (``GLOO_SOCKET_IFNAME``);
 * the first failing rank reported once, in one line, with exit code != 0.
+
+``ddpkit train``/``verify`` come in through :func:`launch` with :class:`LaunchOptions`,
+which become the same command line.
 """
 
 from __future__ import annotations
@@ -24,6 +32,10 @@ from dataclasses import dataclass, field
 
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
+from ddpkit.torchrun_args import check_nproc, default_nproc, nnodes_range
+
+__all__ = ["LaunchOptions", "check_nproc", "default_nproc", "launch", "launch_argv",
+           "root_cause", "route_to", "torchrun_argv"]
 
 log = get_logger(__name__)
 
@@ -42,28 +54,6 @@ class LaunchOptions:
     local_addr: str | None = None
     log_dir: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
-
-
-def default_nproc() -> int:
-    import torch
-
-    if torch.accelerator.is_available():
-        return torch.accelerator.device_count()
-    return 2
-
-
-def check_nproc(nproc: int) -> None:
-    import torch
-
-    if not isinstance(nproc, int) or nproc < 1:
-        raise ConfigError(f"--nproc-per-node must be a positive integer, got {nproc!r}")
-    if torch.accelerator.is_available():
-        found = torch.accelerator.device_count()
-        kind = torch.accelerator.current_accelerator().type.upper()
-        if nproc > found:
-            raise ConfigError(
-                f"--nproc-per-node {nproc} requires at least {nproc} {kind}s, found {found}"
-            )
 
 
 def local_addresses() -> set[str]:
@@ -152,36 +142,43 @@ def torchrun_argv(opts: LaunchOptions, nproc: int) -> list[str]:
 
 def launch(script: str, script_args: Sequence[str], opts: LaunchOptions | None = None) -> int:
     """Run ``script`` on every local rank under torchrun's agent; return an exit code."""
+    opts = opts or LaunchOptions()
+    nproc = default_nproc() if opts.nproc_per_node is None else opts.nproc_per_node
+    check_nproc(nproc)
+    argv = [*torchrun_argv(opts, nproc), script, *script_args]
+    os.environ.update(opts.extra_env)
+    return launch_argv(argv)
+
+
+def launch_argv(argv: Sequence[str]) -> int:
+    """``ddpkit launch ARGV``: any torchrun command line, run by torchrun's agent.
+
+    The line is read by torchrun's own parser (``ddpkit.torchrun_args``); what ddpkit adds
+    on top happens here: the network choices a multi-node c10d job needs, and a one-line
+    summary of the first failure. Returns the exit code.
+    """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-    opts = opts or LaunchOptions()
-    nproc = default_nproc() if opts.nproc_per_node is None else opts.nproc_per_node
-    check_nproc(nproc)
-    if not opts.module and not opts.no_python and not os.path.isfile(script):
-        raise ConfigError(f"script {script!r} does not exist; give the path of a Python file")
-    args = torchrun.parse_args([*torchrun_argv(opts, nproc), script, *script_args])
-    os.environ.update(opts.extra_env)
-    if opts.max_restarts > 0:
+    from ddpkit import torchrun_args
+
+    args = torchrun_args.parse(list(argv))
+    if not args.standalone:
+        choose_network(args, multi_node=nnodes_range(args.nnodes)[1] > 1)
+    if args.max_restarts > 0:
         # torchrun's agent keeps one store server for every attempt, and a restarted rank
         # can read its dead predecessor's gloo/NCCL address from it ("Connection refused"
         # in connectFullMesh; pytorch/pytorch#135712). Without sharing, rank 0 of each
         # attempt hosts a fresh store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    if opts.rdzv_endpoint and "GLOO_SOCKET_IFNAME" not in os.environ:
-        # gloo binds to the address of this host's name, often 127.0.0.1: peers on other
-        # nodes then get "connection refused". Use the interface that reaches the endpoint.
-        ifname = route_to(split_endpoint(opts.rdzv_endpoint)[0])[1]
-        if ifname:
-            os.environ["GLOO_SOCKET_IFNAME"] = ifname
-            log.info(f"GLOO_SOCKET_IFNAME={ifname} (the interface toward the rendezvous)")
     try:
         torchrun.run(args)  # the real agent; it also turns --standalone into a free port
     except RendezvousConnectionError as err:
         cause = err.__cause__ or err.__context__ or err
+        where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
         raise ConfigError(
-            f"cannot open the rendezvous store at {opts.rdzv_endpoint or 'localhost'} "
+            f"cannot open the rendezvous store at {where} "
             f"({str(cause).splitlines()[0] if str(cause) else type(cause).__name__}); on the "
             "first node pick a free port, on the others check that the first node is up "
             "and reachable at that address"
@@ -194,11 +191,50 @@ def launch(script: str, script_args: Sequence[str], opts: LaunchOptions | None =
             what = (f"was killed by {signal.Signals(-failure.exitcode).name} "
                     f"(pid {failure.pid}; out of memory or killed from outside?)")
         else:
+            prefix = f"[{args.role}{failure.local_rank}]"
             what = (f"failed first (exit code {failure.exitcode}, pid {failure.pid}); its "
-                    f"traceback is above, prefixed [default{failure.local_rank}]")
+                    f"traceback is above, prefixed {prefix}")
         print(f"ddpkit launch: rank {rank} {what}{also}", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 1
     return 0
+
+
+def choose_network(args, multi_node: bool) -> None:
+    """Which node hosts the c10d store and, on several nodes, the address this node
+    publishes and gloo's interface; each only where the user left it open.
+
+    ``is_host`` is explicit even on one node: left to torchrun's guess, a store host that
+    cannot bind its port silently becomes a client of whatever holds that port, and waits.
+    """
+    from torch.distributed.elastic.rendezvous.utils import (
+        _parse_rendezvous_config,
+        parse_rendezvous_endpoint,
+    )
+
+    if args.rdzv_backend == "c10d" and args.rdzv_endpoint:
+        host, _ = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        conf = _parse_rendezvous_config(args.rdzv_conf)
+        if "is_host" not in conf:
+            given_rank = "node_rank" in args.ddpkit_given
+            if (args.node_rank == 0) if given_rank else host in local_addresses():
+                conf["is_host"] = "1"
+                args.rdzv_conf = ",".join(filter(None, [args.rdzv_conf, "is_host=1"]))
+        is_host = str(conf.get("is_host", "")).lower() in ("1", "true", "yes", "y")
+        if not multi_node:
+            return
+        if args.local_addr is None:
+            args.local_addr = host if is_host else route_to(host)[0]
+    elif args.rdzv_backend == "static" and multi_node:
+        host = parse_rendezvous_endpoint(args.rdzv_endpoint or args.master_addr, 0)[0]
+    else:  # one node, or another backend (etcd, ...) whose endpoint is not a job's node
+        return
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo binds to the address of this host's name, often 127.0.0.1: peers on other
+        # nodes then get "connection refused". Use the interface that reaches the endpoint.
+        ifname = route_to(host.strip("[]"))[1]
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
+            log.info(f"GLOO_SOCKET_IFNAME={ifname} (the interface toward the rendezvous)")
 
 
 # Messages of ranks that died only because a peer went away first.

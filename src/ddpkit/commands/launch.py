@@ -1,10 +1,15 @@
-"""``ddpkit launch``: run a script on N local ranks (and M nodes) under torchrun's agent."""
+"""``ddpkit launch``: run a script on N local ranks (and M nodes) under torchrun's agent.
+
+Its command line is torchrun's (every flag in both spellings, read by torchrun's own
+parser in ``ddpkit.torchrun_args``), so the subcommand passes everything after
+``launch`` through untouched.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from ddpkit.launch import LaunchOptions, launch
+from ddpkit.launch import LaunchOptions
 
 
 def add_launch_options(p: argparse.ArgumentParser) -> None:
@@ -12,27 +17,32 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("launch")
     g.add_argument(
         "--nproc-per-node",
+        "--nproc_per_node",
         type=int,
         default=None,
         help="processes on this node (default: one per GPU, or 2 on CPU)",
     )
     g.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX for elastic")
     g.add_argument(
-        "--node-rank", type=int, default=None, help="this node's rank (static rendezvous)"
+        "--node-rank", "--node_rank", type=int, default=None,
+        help="this node's rank (static rendezvous)",
     )
     g.add_argument(
         "--rdzv-endpoint",
+        "--rdzv_endpoint",
         default=None,
         help="HOST:PORT of the c10d rendezvous on the first node (multi-node)",
     )
-    g.add_argument("--rdzv-id", default="ddpkit", help="job id shared by all nodes")
+    g.add_argument("--rdzv-id", "--rdzv_id", default="ddpkit", help="job id shared by all nodes")
     g.add_argument(
         "--max-restarts",
+        "--max_restarts",
         type=int,
         default=0,
         help="restart all workers up to K times when one fails",
     )
-    g.add_argument("--local-addr", default=None, help="address other nodes reach this node by")
+    g.add_argument("--local-addr", "--local_addr", default=None,
+                   help="address other nodes reach this node by")
 
 
 def options_from_args(args) -> LaunchOptions:
@@ -48,16 +58,17 @@ def options_from_args(args) -> LaunchOptions:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("launch", help="run a training script on every rank (torchrun's agent)")
-    add_launch_options(p)
-    p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m)")
-    p.add_argument("--no-python", action="store_true", help="SCRIPT is an executable, not Python")
-    p.add_argument("script", help="the program every rank runs")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    # A prefix character nobody types: argparse then sees every word after `launch` as
+    # the one positional below, and torchrun's parser (with one-line errors) reads them.
+    p = sub.add_parser(
+        "launch", help="run a script on every rank: any torchrun command line (torchrun's agent)",
+        prefix_chars="\0", add_help=False,
+        usage="ddpkit launch [torchrun options] SCRIPT [ARGS ...]   (ddpkit launch --help)")
+    p.add_argument("torchrun_argv", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    opts = options_from_args(args)
-    opts.module, opts.no_python = args.module, args.no_python
-    return launch(args.script, args.script_args, opts)
+    from ddpkit.launch import launch_argv
+
+    return launch_argv(args.torchrun_argv)
