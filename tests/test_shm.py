@@ -229,8 +229,9 @@ def hook_training(world, steps) -> list[float]:
             opt.step()
     still_shm = state.communicator is comm
     state.close()
-    diff = max((a - b).abs().max().item()
-               for a, b in zip(reference.parameters(), ours.parameters()))
+    # torch's max keeps a NaN (Python's max over floats drops one that is not first).
+    diff = torch.stack([(a - b).abs().max() for a, b in
+                        zip(reference.parameters(), ours.parameters())]).max().item()
     flat = torch.cat([p.detach().flatten() for p in ours.parameters()])
     spread = flat.clone()
     dist.all_reduce(spread, dist.ReduceOp.MAX)
