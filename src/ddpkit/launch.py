@@ -158,6 +158,7 @@ def launch_argv(argv: Sequence[str]) -> int:
     summary of the first failure. Returns the exit code.
     """
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
@@ -183,6 +184,11 @@ def launch_argv(argv: Sequence[str]) -> int:
             "first node pick a free port, on the others check that the first node is up "
             "and reachable at that address"
         ) from err
+    except SignalException as err:  # one of --signals-to-handle: the agent passed it on
+        name = signal.Signals(err.sigval).name
+        print(f"ddpkit launch: got {name}; the workers were sent {name} and have stopped",
+              file=sys.stderr)
+        return 128 + int(err.sigval)
     except ChildFailedError as err:
         rank, failure = root_cause(err.failures)
         others = sorted(r for r in err.failures if r != rank)

@@ -1,6 +1,6 @@
-"""SLURM batch scripts for ddpkit jobs: one task per GPU, World from SLURM's variables.
+"""SLURM batch scripts for ddpkit jobs, in one of two layouts (``--launcher``).
 
-Why one task per GPU (``srun`` starts every worker) rather than one launcher per node:
+``srun`` (default): one task per GPU, World from SLURM's variables.
 
 * ``ddpkit train`` and every program that calls ``ddpkit.init()`` already read
   ``SLURM_PROCID``/``SLURM_LOCALID``/``SLURM_NTASKS``/``SLURM_NNODES`` (``World.from_env``),
@@ -9,13 +9,18 @@ Why one task per GPU (``srun`` starts every worker) rather than one launcher per
 * Rank 0 is SLURM task 0, which SLURM places on the first node of the allocation, the
   same host ``scontrol show hostnames`` lists first: MASTER_ADDR points at rank 0's own
   store, with no rendezvous round and no node-ordering surprise.
-* Preemption is SLURM's job: ``--signal=B:USR1@120`` warns the batch shell, whose trap
-  relays the signal to every worker (``ddpkit.fault.PreemptionGuard`` saves at the next
-  step) and requeues the job, which then resumes from the checkpoint.
 
-The torchrun-agent alternative (one task per node running ``ddpkit launch`` with a c10d
-rendezvous on the first node) is documented in docs/multinode.md for plain torchrun
-scripts.
+``torchrun`` (seed 003's layout): one task per node running torchrun's agent
+(``ddpkit launch``), c10d rendezvous on the first node, so a worker that dies is
+restarted by its node's agent (``--max-restarts``) without giving the allocation back,
+and a plain torchrun script (one that reads ``RANK``/``LOCAL_RANK``, not SLURM's
+variables) runs unchanged. The task on node 0 hosts the store (``is_host`` from
+``SLURM_NODEID``, not from hostname matching, which fails in containers).
+
+In both, preemption is SLURM's job: ``--signal=B:USR1@120`` warns the batch shell, whose
+trap relays the signal to the tasks (``ddpkit.fault.PreemptionGuard`` saves at the next
+step; under the agent, torchrun forwards it to the workers) and requeues the job, which
+then resumes from the checkpoint. docs/multinode.md says when to choose which.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ from datetime import datetime
 from pathlib import Path
 
 from ddpkit.errors import ConfigError
+
+LAUNCHERS = ("srun", "torchrun")
+DEFAULT_RESTARTS = 3  # torchrun layout: restarts of a node's workers before the job fails
+# torchrun's agent forwards only these to its workers; SLURM's warning is USR1.
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 # SLURM's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
@@ -66,9 +76,19 @@ class SlurmJob:
     cpus_per_task: int | None = None
     output: str = "%x-%j.out"
     signal_lead_s: int = 120
+    launcher: str = "srun"  # one of LAUNCHERS
+    max_restarts: int | None = None  # torchrun layout only; default DEFAULT_RESTARTS
     python: str = field(default=sys.executable)
 
     def __post_init__(self) -> None:
+        if self.launcher not in LAUNCHERS:
+            raise ConfigError(f"--launcher {self.launcher!r} is not one of "
+                              f"{', '.join(LAUNCHERS)}")
+        if self.max_restarts is not None and self.launcher == "srun":
+            raise ConfigError("--max-restarts needs --launcher torchrun: under srun no agent "
+                              "restarts workers (a requeue still resumes from checkpoints)")
+        if self.max_restarts is not None and self.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
         if self.nodes < 1:
             raise ConfigError(f"--nodes must be >= 1, got {self.nodes}")
         if self.gpus_per_node < 0:
@@ -97,7 +117,29 @@ class SlurmJob:
 
     @property
     def tasks(self) -> int:
+        """Ranks per node (SLURM tasks under srun; the agent's workers under torchrun)."""
         return self.tasks_per_node if self.tasks_per_node is not None else self.gpus_per_node
+
+    @property
+    def restarts(self) -> int:
+        return DEFAULT_RESTARTS if self.max_restarts is None else self.max_restarts
+
+    def agent_program(self) -> list[str]:
+        """Torchrun layout: what ``ddpkit launch`` runs on every rank. Not ``ddpkit
+        train``, which under srun would see SLURM's variables and be a single worker."""
+        head, *rest = self.command
+        return ["-m", "ddpkit.train.worker", *rest] if head == "train" else [head, *rest]
+
+    def agent_argv(self) -> list[str]:
+        """Torchrun layout: the task on every node, up to :meth:`agent_program`. Words
+        starting with ``$`` are the batch shell's variables (rendezvous address, job id)."""
+        return [self.python, "-m", "ddpkit.cli", "launch", "--nnodes", str(self.nodes),
+                "--nproc-per-node", str(self.tasks), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", "$RDZV_HOST:$RDZV_PORT", "--rdzv-id", "$SLURM_JOB_ID",
+                "--max-restarts", str(self.restarts), "--signals-to-handle", AGENT_SIGNALS,
+                # Preempted workers checkpoint before they exit: give them the warning's
+                # lead before the agent kills them (torchrun's default is 30 s).
+                "--shutdown-timeout", str(self.signal_lead_s)]
 
     def worker_argv(self) -> list[str]:
         """What every task runs: ``ddpkit train`` acts as one worker under srun."""
@@ -123,52 +165,35 @@ class SlurmJob:
 
 def render(job: SlurmJob, argv: Sequence[str] | None = None) -> str:
     """The sbatch script for ``job`` (``argv``: the command line that made it, for the record)."""
-    directives = [
-        ("job-name", job.job_name),
-        ("nodes", job.nodes),
-        ("ntasks-per-node", job.tasks),
-    ]
-    if job.gpus_per_node:
-        # Every task sees all of its node's GPUs and picks cuda:<SLURM_LOCALID> itself;
-        # --gpus-per-task would renumber each task's only GPU as cuda:0.
-        directives.append(("gpus-per-node", job.gpus_per_node))
-    for name, value in (("cpus-per-task", job.cpus_per_task), ("time", job.time),
-                        ("partition", job.partition), ("account", job.account)):
-        if value is not None:
-            directives.append((name, value))
-    directives += [
-        ("output", job.output),
-        ("open-mode", "append"),  # a requeued run appends to the same log
-        ("requeue", None),
-        ("signal", f"B:USR1@{job.signal_lead_s}"),
-    ]
+    torchrun = job.launcher == "torchrun"
     lines = ["#!/bin/bash"]
     made_by = shlex.join(["ddpkit", "slurm", *argv]) if argv is not None else "ddpkit slurm"
     lines.append(f"# Written by `{made_by}` on {datetime.now():%Y-%m-%d %H:%M}.")
-    lines.append("# One task per GPU; every worker reads its rank from SLURM's variables.")
-    for name, value in directives:
+    if torchrun:
+        lines.append("# One task per node running torchrun's agent (ddpkit launch): c10d")
+        lines.append("# rendezvous on the first node, elastic restarts per node.")
+    else:
+        lines.append("# One task per GPU; every worker reads its rank from SLURM's variables.")
+    for name, value in _directives(job):
         lines.append(f"#SBATCH --{name}" + ("" if value is None else f"={value}"))
-    worker = shlex.join(job.worker_argv())
+    lines += ["", "set -uo pipefail", ""]
+    lines += _rendezvous(job)
     run_dir = job.run_dir()
-    if run_dir is not None:
-        worker += ' --run-dir "$RUN_DIR"'
-    lines += [
-        "",
-        "set -uo pipefail",
-        "",
-        "# Rank 0 (task 0) runs on the first node of the allocation and hosts the store.",
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "# A port derived from the job id: two jobs sharing a first node do not collide.",
-        "MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}",
-        "export MASTER_ADDR MASTER_PORT",
-        "",
-    ]
     if run_dir is not None:
         lines += [
             "# One run directory per job: a requeued job continues from its checkpoints.",
             f'RUN_DIR={shlex.quote(run_dir)}-"$SLURM_JOB_ID"',
-            "",
         ]
+        if torchrun:  # under the agent every attempt reads as restart 0: say "resume"
+            lines += [
+                "# The agent numbers the attempts of this job only; a requeued job resumes.",
+                'if compgen -G "$RUN_DIR/checkpoints/*.json" > /dev/null; then',
+                '    RUN_ARGS=(--resume "$RUN_DIR")',
+                "else",
+                '    RUN_ARGS=(--run-dir "$RUN_DIR")',
+                "fi",
+            ]
+        lines.append("")
     if job.cpus_per_task is not None:
         lines += [
             "# srun (SLURM >= 22.05) no longer inherits --cpus-per-task from sbatch.",
@@ -185,8 +210,9 @@ def render(job: SlurmJob, argv: Sequence[str] | None = None) -> str:
         "}",
         "trap requeue USR1",
         "",
-        "srun --kill-on-bad-exit=1 \\",
-        f"    {worker} &",
+    ]
+    lines += _torchrun_step(job) if torchrun else _srun_step(job)
+    lines += [
         "srun_pid=$!",
         "# A trapped signal interrupts `wait`; keep waiting until srun itself has exited.",
         'while wait "$srun_pid"; status=$?; kill -0 "$srun_pid" 2>/dev/null; do :; done',
@@ -194,6 +220,78 @@ def render(job: SlurmJob, argv: Sequence[str] | None = None) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _directives(job: SlurmJob) -> list[tuple[str, object]]:
+    directives = [
+        ("job-name", job.job_name),
+        ("nodes", job.nodes),
+        ("ntasks-per-node", 1 if job.launcher == "torchrun" else job.tasks),
+    ]
+    if job.gpus_per_node:
+        # Every task sees all of its node's GPUs and picks cuda:<SLURM_LOCALID> itself;
+        # --gpus-per-task would renumber each task's only GPU as cuda:0.
+        directives.append(("gpus-per-node", job.gpus_per_node))
+    for name, value in (("cpus-per-task", job.cpus_per_task), ("time", job.time),
+                        ("partition", job.partition), ("account", job.account)):
+        if value is not None:
+            directives.append((name, value))
+    return directives + [
+        ("output", job.output),
+        ("open-mode", "append"),  # a requeued run appends to the same log
+        ("requeue", None),
+        ("signal", f"B:USR1@{job.signal_lead_s}"),
+    ]
+
+
+def _rendezvous(job: SlurmJob) -> list[str]:
+    if job.launcher == "torchrun":
+        return [
+            "# The first node of the allocation hosts the c10d rendezvous store.",
+            'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            "# A port derived from the job id: two jobs sharing a first node do not collide.",
+            "RDZV_PORT=${RDZV_PORT:-$((20000 + SLURM_JOB_ID % 20000))}",
+            "",
+        ]
+    return [
+        "# Rank 0 (task 0) runs on the first node of the allocation and hosts the store.",
+        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "# A port derived from the job id: two jobs sharing a first node do not collide.",
+        "MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}",
+        "export MASTER_ADDR MASTER_PORT",
+        "",
+    ]
+
+
+def _srun_step(job: SlurmJob) -> list[str]:
+    worker = shlex.join(job.worker_argv())
+    if job.run_dir() is not None:
+        worker += ' --run-dir "$RUN_DIR"'
+    return ["srun --kill-on-bad-exit=1 \\", f"    {worker} &"]
+
+
+def _torchrun_step(job: SlurmJob) -> list[str]:
+    # The batch shell's variables expand here, once, the same for every node; the
+    # user's own words are quoted as they are.
+    words = [f'"{w}"' if w.startswith("$") else shlex.quote(w) for w in job.agent_argv()]
+    words += [shlex.quote(w) for w in job.agent_program()]
+    if job.run_dir() is not None:
+        words.append('"${RUN_ARGS[@]}"')
+    rows = [""]
+    for word in words:  # wrapped for reading; a word never splits
+        if rows[-1] and len(rows[-1]) + len(word) > 84:
+            rows.append("")
+        rows[-1] = f"{rows[-1]} {word}".strip()
+    return [
+        "# One agent per node. The task on node 0 (the host above) hosts the store, set",
+        "# per task through torchrun's own PET_RDZV_CONF: matching hostnames, torchrun's",
+        "# way, fails in containers.",
+        "srun --kill-on-bad-exit=1 \\",
+        "    bash -c 'export PET_RDZV_CONF=\"is_host=$((SLURM_NODEID == 0))\"; exec \"$@\"' "
+        "ddpkit-node \\",
+        *(f"    {row} \\" for row in rows[:-1]),
+        f"    {rows[-1]} &",
+    ]
 
 
 def write(job: SlurmJob, path: str | Path, *, force: bool = False,

@@ -3,7 +3,10 @@
     ddpkit slurm --nodes 4 --gpus-per-node 8 --time 12:00:00 -- train --epochs 90
     sbatch ddpkit.sbatch
 
-One task per GPU, World from SLURM's variables, requeue on preemption (see ddpkit.slurm).
+--launcher srun (default): one task per GPU, World from SLURM's variables.
+--launcher torchrun: one task per node running torchrun's agent (ddpkit launch), c10d
+rendezvous on the first node, --max-restarts per node. Both requeue on preemption
+(see ddpkit.slurm and docs/multinode.md for when to choose which).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddpkit.slurm import SlurmJob, write
+from ddpkit.slurm import DEFAULT_RESTARTS, LAUNCHERS, SlurmJob, write
 
 
 def register(sub) -> None:
@@ -22,6 +25,12 @@ def register(sub) -> None:
                    help="GPUs per node (G); one task per GPU. 0 for CPU nodes")
     p.add_argument("--tasks-per-node", type=int, default=None,
                    help="processes per node on CPU nodes (default: --gpus-per-node)")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="srun",
+                   help="srun: one task per GPU (default); torchrun: one task per node "
+                        "running torchrun's agent (c10d rendezvous, restarts per node)")
+    p.add_argument("--max-restarts", type=int, default=None, metavar="K",
+                   help=f"--launcher torchrun: restart a node's workers up to K times "
+                        f"(default: {DEFAULT_RESTARTS})")
     p.add_argument("--time", default=None, help="time limit, e.g. 12:00:00 or 1-00:00:00")
     p.add_argument("--partition", default=None, help="SLURM partition")
     p.add_argument("--account", default=None, help="SLURM account to charge")
@@ -48,10 +57,13 @@ def run(args: argparse.Namespace) -> int:
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, command=tuple(command),
         tasks_per_node=args.tasks_per_node, time=args.time, partition=args.partition,
         account=args.account, job_name=args.job_name, cpus_per_task=args.cpus_per_task,
-        output=args.log, signal_lead_s=args.signal_lead,
+        output=args.log, signal_lead_s=args.signal_lead, launcher=args.launcher,
+        max_restarts=args.max_restarts,
     )
     path = write(job, args.script, force=args.force, argv=sys.argv[2:])
     world = job.nodes * job.tasks
-    print(f"wrote {path}: {job.nodes} node(s) x {job.tasks} task(s) = {world} ranks; "
+    per_node = (f"1 agent x {job.tasks} worker(s)" if job.launcher == "torchrun"
+                else f"{job.tasks} task(s)")
+    print(f"wrote {path}: {job.nodes} node(s) x {per_node} = {world} ranks; "
           f"submit with: sbatch {path}")
     return 0
