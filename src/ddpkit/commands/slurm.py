@@ -25,7 +25,7 @@ def register(sub) -> None:
                    help="GPUs per node (G); one task per GPU. 0 for CPU nodes")
     p.add_argument("--tasks-per-node", type=int, default=None,
                    help="processes per node on CPU nodes (default: --gpus-per-node)")
-    p.add_argument("--launcher", choices=LAUNCHERS, default="srun",
+    p.add_argument("--launcher", default="srun", metavar="|".join(LAUNCHERS),
                    help="srun: one task per GPU (default); torchrun: one task per node "
                         "running torchrun's agent (c10d rendezvous, restarts per node)")
     p.add_argument("--max-restarts", type=int, default=None, metavar="K",
