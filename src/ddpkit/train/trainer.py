@@ -61,6 +61,7 @@ from ddpkit.data.partition import ShardBatch, ShardSampler
 from ddpkit.errors import ConfigError
 from ddpkit.fault import PreemptionGuard, ProgressBoard, Watchdog, set_collective_timeout
 from ddpkit.log import get_logger
+from ddpkit.parallel import data_parallel
 from ddpkit.runtime import DEFAULT_TIMEOUT
 from ddpkit.train import report
 from ddpkit.train.config import Config
@@ -72,26 +73,6 @@ from ddpkit.world import World
 log = get_logger(__name__)
 
 Wrap = Callable[[nn.Module, str, torch.device], nn.Module]
-
-
-def data_parallel(module: nn.Module, engine: str, device: torch.device) -> nn.Module:
-    """Wrap ``module`` for data parallelism with the chosen engine, in one call.
-
-    ``ddpkit.parallel.data_parallel`` switches between our engine and torch's; while that
-    module is not available, torch's DistributedDataParallel stands in for both.
-    """
-    try:
-        from ddpkit.parallel import data_parallel as factory
-    except ImportError:
-        factory = None
-    if factory is not None:
-        return factory(module, engine=engine)
-    if engine != "torch":
-        log.warning_once(f"engine {engine!r} is not available in this build; using torch DDP")
-    from torch.nn.parallel import DistributedDataParallel
-
-    device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -160,8 +141,11 @@ class Trainer:
         torch.manual_seed(t.seed)  # same initial weights on every rank (and vs. 1 process)
         module = build_model(cfg.model.name, train_set.input_shape, train_set.num_classes,
                              hidden=cfg.model.hidden).to(self.device)
-        self.model = (wrap or data_parallel)(module, t.engine, self.device)
-        # What actually runs, which can differ from the request (see data_parallel).
+        # The model is already on self.device and so are the batches, so neither engine
+        # needs device_ids (torch DDP infers a single-device module's device).
+        self.model = (wrap(module, t.engine, self.device) if wrap is not None
+                      else data_parallel(module, engine=t.engine))
+        # What actually runs: a custom ``wrap`` may not use the engine requested.
         self.engine = "torch" if type(self.model).__module__.startswith("torch.") else t.engine
         # Dropout masks should differ between ranks but still follow from the seed.
         torch.manual_seed(t.seed + 1 + world.rank)
