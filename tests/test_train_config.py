@@ -68,3 +68,69 @@ def test_unwritable_out_dir(capsys, tmp_path):
 def test_run_dirs_are_never_reused(tmp_path):
     dirs = {new_run_dir(tmp_path, "digits-mlp") for _ in range(5)}
     assert len(dirs) == 5 and all(d.is_dir() and d.parent == tmp_path for d in dirs)
+
+
+def _flag_value(f):
+    """A value for a field's flag that differs from the field's default."""
+    meta = f.metadata["argparse"]
+    if "choices" in meta:
+        default = f.default
+        return next(c for c in meta["choices"] if c != default)
+    kind = str(f.type)
+    if kind.startswith("bool"):
+        return None  # the bare flag
+    if kind.startswith("list"):
+        return ["7", "5"]
+    if kind.startswith("int"):
+        return str((f.default if isinstance(f.default, int) else 0) + 2)
+    if kind.startswith("float"):
+        return "0.25"
+    return "somewhere"
+
+
+def test_every_flag_field_reaches_its_config_field():
+    """Each config field carrying a flag is on the command line and a value given there
+    lands in that very field: an option is one field, never a flag silently ignored."""
+    import argparse
+    import dataclasses
+
+    from ddpkit.train.config import flag_fields
+    from ddpkit.train.options import add_run_options, add_train_options, config_from_args
+
+    fields = flag_fields()
+    assert len(fields) >= 15
+    for section, f in fields:
+        p = argparse.ArgumentParser()
+        add_train_options(p)
+        add_run_options(p)
+        value = _flag_value(f)
+        argv = [f.metadata["flag"]] + ([] if value is None else
+                                      value if isinstance(value, list) else [value])
+        cfg = config_from_args(p.parse_args(argv))
+        got = getattr(getattr(cfg, section), f.name)
+        default = getattr(getattr(Config(), section), f.name)
+        assert got != default, f"{f.metadata['flag']} did not change {section}.{f.name}"
+        if value is not None:
+            kind = str(f.type).split(" ")[0]
+            cast = {"int": int, "float": float}.get(kind, str)
+            want = [int(v) for v in value] if isinstance(value, list) else cast(value)
+            assert got == want, (f.metadata["flag"], got, want)
+    flags = {f.metadata["flag"] for _, f in fields}
+    assert len(flags) == len(fields), "two fields share a flag"
+    assert all(dataclasses.is_dataclass(getattr(Config(), s)) for s, _ in fields)
+
+
+def test_each_dataset_spec_matches_what_its_loader_returns():
+    """The table the CLI checks models against before launching is the data itself."""
+    from ddpkit.data.datasets import DATASETS
+
+    for name, spec in DATASETS.items():
+        if name == "mnist":
+            with pytest.raises(ConfigError, match="--data-dir"):
+                spec.load(None, 0)
+            continue
+        train, test = spec.load(None, 64)
+        x, y = train[0]
+        assert tuple(x.shape) == spec.input_shape, name
+        assert train.num_classes == spec.num_classes, name
+        assert int(max(train.y.max(), test.y.max())) < spec.num_classes, name

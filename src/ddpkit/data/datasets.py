@@ -17,7 +17,7 @@ import gzip
 import importlib.util
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +26,6 @@ import torch
 
 from ddpkit.errors import ConfigError
 
-DATASETS = ("digits", "mnist", "synthetic")
 MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/ (or http://yann.lecun.com/exdb/mnist/)"
 MNIST_FILES = {
     "train_images": "train-images-idx3-ubyte",
@@ -71,18 +70,9 @@ def load_dataset(
     name: str, data_dir: str | os.PathLike | None = None, *, synthetic_size: int = 8192
 ) -> tuple[ArrayDataset, ArrayDataset]:
     """``(train, test)`` for a dataset name in :data:`DATASETS`."""
-    if name == "digits":
-        return load_digits()
-    if name == "mnist":
-        if data_dir is None:
-            raise ConfigError(
-                f"--data mnist needs --data-dir DIR holding the four MNIST IDX files "
-                f"({', '.join(MNIST_FILES.values())}, raw or .gz); get them from {MNIST_URL}"
-            )
-        return load_mnist(data_dir)
-    if name == "synthetic":
-        return make_synthetic(synthetic_size)
-    raise ConfigError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    if name not in DATASETS:
+        raise ConfigError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    return DATASETS[name].load(data_dir, synthetic_size)
 
 
 # --------------------------------------------------------------------------- digits
@@ -213,3 +203,31 @@ def make_synthetic(
         ArrayDataset(x[:size], y[:size], num_classes, "synthetic-train"),
         ArrayDataset(x[size:], y[size:], num_classes, "synthetic-test"),
     )
+
+
+# --------------------------------------------------------------------------- the table
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Everything the application knows of a dataset by name: the CLI's choices, the
+    model-fits-the-data check before any process starts, and the loader."""
+
+    input_shape: tuple[int, ...]  # one sample, no batch dimension
+    num_classes: int
+    load: Callable[[str | os.PathLike | None, int], tuple[ArrayDataset, ArrayDataset]]
+
+
+def _mnist_from_option(data_dir: str | os.PathLike | None, _size: int):
+    if data_dir is None:
+        raise ConfigError(
+            f"--data mnist needs --data-dir DIR holding the four MNIST IDX files "
+            f"({', '.join(MNIST_FILES.values())}, raw or .gz); get them from {MNIST_URL}"
+        )
+    return load_mnist(data_dir)
+
+
+# Adding a dataset: a loader returning (train, test) ArrayDatasets, and one row here.
+DATASETS: dict[str, DatasetSpec] = {
+    "digits": DatasetSpec((1, 8, 8), 10, lambda _dir, _size: load_digits()),
+    "mnist": DatasetSpec((1, 28, 28), 10, _mnist_from_option),
+    "synthetic": DatasetSpec((1, 8, 8), 10, lambda _dir, size: make_synthetic(size)),
+}

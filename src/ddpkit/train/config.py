@@ -35,45 +35,76 @@ from typing import Any
 
 from ddpkit.data.datasets import DATASETS
 from ddpkit.errors import ConfigError
+from ddpkit.parallel import ENGINES
 from ddpkit.train.models import MODELS
 
-ENGINES = ("ddpkit", "torch")
+# Command-line groups a flag can belong to (`ddpkit verify` takes only TRAINING).
+TRAINING = "training (command line > --config file > defaults)"
+RUN = "checkpoints and fault tolerance (docs/checkpoints.md)"
+
+
+def flag(name: str, help: str, *, default: Any = dataclasses.MISSING,
+         default_factory: Any = dataclasses.MISSING, group: str = TRAINING,
+         **argparse_kwargs: Any) -> Any:
+    """A config field that is also a command-line flag: the flag, its help and its
+    group live on the field, so an option is one field (train/options.py derives the
+    argparse flag, and resolve() the override). A bool field's flag sets the opposite
+    of its default (``--no-progress``, ``--log-sample-ids``)."""
+    meta = {"flag": name, "help": help, "group": group, "argparse": argparse_kwargs}
+    return field(default=default, default_factory=default_factory, metadata=meta)
+
+
+def flag_dest(name: str) -> str:
+    """The argparse destination (and resolve() key) of a flag: ``--no-checkpoints`` ->
+    ``checkpoints``, ``--batch-size`` -> ``batch_size``."""
+    return name.lstrip("-").removeprefix("no-").replace("-", "_")
 
 
 @dataclass
 class DataConfig:
-    name: str = "digits"
-    data_dir: str | None = None
-    synthetic_size: int = 8192
+    name: str = flag("--data", "dataset (default: digits)", default="digits", choices=DATASETS)
+    data_dir: str | None = flag("--data-dir", "directory with the MNIST IDX files", default=None)
+    synthetic_size: int = flag("--synthetic-size", "training samples of --data synthetic "
+                               "(default: 8192)", default=8192, metavar="N")
     drop_last: bool = False  # False: pad the last global batch (padding never counted)
 
 
 @dataclass
 class ModelConfig:
-    name: str = "mlp"
-    hidden: list[int] = field(default_factory=lambda: [128])  # MLP only
+    name: str = flag("--model", "model (default: mlp)", default="mlp", choices=MODELS)
+    hidden: list[int] = flag("--hidden", "MLP hidden layer widths (default: 128)",
+                             default_factory=lambda: [128], metavar="H")
 
 
 @dataclass
 class OptimConfig:
     # SGD with momentum. The tutorial's lr=0.01, momentum=0.5 reaches ~91% on digits in
     # 20 epochs; these defaults reach ~98% in the same budget.
-    lr: float = 0.1
-    momentum: float = 0.9
+    lr: float = flag("--lr", "learning rate (default: 0.1)", default=0.1)
+    momentum: float = flag("--momentum", "SGD momentum (default: 0.9)", default=0.9)
     weight_decay: float = 0.0
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 20
-    batch_size: int = 128  # global batch: each of W ranks reads batch_size // W per step
+    epochs: int = flag("--epochs", "epochs (default: 20)", default=20)
+    # Global batch: each of W ranks reads batch_size // W per step.
+    batch_size: int = flag("--batch-size", "GLOBAL batch size, split evenly over all ranks "
+                           "(default: 128)", default=128)
     eval_batch_size: int = 1024  # global, for the test pass
-    seed: int = 1234
-    engine: str = "ddpkit"  # ddpkit's DataParallel, or torch's DistributedDataParallel
-    out_dir: str = "runs"
-    progress: bool = True  # tqdm bar on rank 0
-    threads: int = 0  # torch threads per process; 0: cores shared evenly by local ranks
-    log_sample_ids: bool = False  # per-rank JSONL of the sample ids each step trained on
+    seed: int = flag("--seed", "seed for weights and data order", default=1234)
+    engine: str = flag("--engine", "data-parallel engine: ddpkit's DataParallel or torch's "
+                       "DDP", default="ddpkit", choices=ENGINES)
+    out_dir: str = flag("--out-dir", "parent of the new run directory (default: runs/)",
+                        default="runs")
+    progress: bool = flag("--no-progress", "no progress bar", default=True)
+    # torch threads per process; 0: cores shared evenly by the local ranks.
+    threads: int = flag("--threads", "torch threads per process (default: cores / local "
+                        "processes)", default=0)
+    # Per-rank JSONL of the sample ids each step trained on.
+    log_sample_ids: bool = flag(
+        "--log-sample-ids", "write the sample ids of every step, per rank, to <run dir>/"
+        "sample_ids/ (to audit that none is lost or repeated)", default=False, group=RUN)
 
 
 @dataclass
@@ -81,10 +112,17 @@ class CheckpointConfig:
     """Checkpoints go to ``<run dir>/checkpoints``; one is written at every epoch's end
     and, between epochs, every ``every_steps`` steps and/or ``every_seconds`` seconds."""
 
-    enabled: bool = True
-    every_steps: int | None = None
-    every_seconds: float | None = None
-    keep: int = 3  # newest checkpoints kept; the newest good one is never deleted
+    enabled: bool = flag("--no-checkpoints", "write no checkpoints (such a run cannot be "
+                         "resumed)", default=True, group=RUN)
+    every_steps: int | None = flag("--checkpoint-every-steps", "also checkpoint every N steps "
+                                   "(always: at every epoch's end)", default=None, group=RUN,
+                                   metavar="N")
+    every_seconds: float | None = flag(
+        "--checkpoint-every-seconds", "also checkpoint when S seconds passed since the last "
+        "one", default=None, group=RUN, metavar="S")
+    # Newest checkpoints kept; the newest good one is never deleted.
+    keep: int = flag("--keep", "checkpoints kept (default: 3)", default=3, group=RUN,
+                     metavar="K")
 
 
 @dataclass
@@ -92,7 +130,9 @@ class FaultConfig:
     # Seconds any collective of the training loop may wait for the slowest rank before
     # the run fails naming the ranks that did not arrive. None: the process group's
     # default (10 minutes).
-    collective_timeout: float | None = None
+    collective_timeout: float | None = flag(
+        "--collective-timeout", "fail, naming the ranks that did not arrive, when a collective "
+        "waits longer than S seconds (default: 600)", default=None, group=RUN, metavar="S")
 
 
 @dataclass
@@ -251,30 +291,11 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
 
 
-# Command-line flag -> (section, field). Flags left unset on the command line are None,
-# which is how precedence knows not to override the file.
-CLI_FIELDS: dict[str, tuple[str, str]] = {
-    "data": ("data", "name"),
-    "data_dir": ("data", "data_dir"),
-    "synthetic_size": ("data", "synthetic_size"),
-    "model": ("model", "name"),
-    "hidden": ("model", "hidden"),
-    "lr": ("optim", "lr"),
-    "momentum": ("optim", "momentum"),
-    "epochs": ("train", "epochs"),
-    "batch_size": ("train", "batch_size"),
-    "seed": ("train", "seed"),
-    "engine": ("train", "engine"),
-    "out_dir": ("train", "out_dir"),
-    "threads": ("train", "threads"),
-    "progress": ("train", "progress"),
-    "log_sample_ids": ("train", "log_sample_ids"),
-    "checkpoints": ("checkpoint", "enabled"),
-    "checkpoint_every_steps": ("checkpoint", "every_steps"),
-    "checkpoint_every_seconds": ("checkpoint", "every_seconds"),
-    "keep": ("checkpoint", "keep"),
-    "collective_timeout": ("fault", "collective_timeout"),
-}
+def flag_fields() -> list[tuple[str, dataclasses.Field]]:
+    """Every ``(section, field)`` of the config that has a command-line flag."""
+    sections = dataclasses.fields(Config)
+    return [(s.name, f) for s in sections for f in dataclasses.fields(s.default_factory)
+            if "flag" in f.metadata]
 
 
 def resolve(
@@ -292,8 +313,10 @@ def resolve(
     if config_file is not None:
         cfg.update(read_toml(config_file), source=f"--config {config_file}")
     overrides: dict[str, dict[str, Any]] = {}
-    for name, (section, key) in CLI_FIELDS.items():
-        if cli.get(name) is not None:
-            overrides.setdefault(section, {})[key] = cli[name]
+    # Flags left unset on the command line are None: they do not override the file.
+    for section, f in flag_fields():
+        value = cli.get(flag_dest(f.metadata["flag"]))
+        if value is not None:
+            overrides.setdefault(section, {})[f.name] = value
     cfg.update(overrides, source="command line")
     return cfg.validate()

@@ -1,0 +1,88 @@
+"""Command-line options of the training application, shared by ``ddpkit train``,
+``ddpkit verify`` and the worker processes they start.
+
+The training flags come from the config's fields (:func:`ddpkit.train.config.flag`), so
+a new option is one field in train/config.py plus its use. Every flag defaults to None,
+"not given", which is how precedence (command line > --config file > defaults) knows
+what to override.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from ddpkit.train.config import RUN, TRAINING, Config, flag_dest, flag_fields, resolve
+from ddpkit.train.resume import LATEST, read_run_config
+
+_SCALARS = {"int": int, "float": float, "str": str}
+
+
+def _add_field_flag(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
+    meta = f.metadata
+    kwargs = dict(meta["argparse"], dest=flag_dest(meta["flag"]), default=None,
+                  help=meta["help"])
+    kind = f.type if isinstance(f.type, str) else str(f.type)
+    if kind.startswith("bool"):
+        # The flag turns the default over: --no-progress stores False.
+        kwargs.update(action="store_const", const=not f.default)
+    elif kind.startswith("list"):
+        kwargs.update(type=int, nargs="+")
+    else:
+        kwargs["type"] = _SCALARS[kind.split(" ")[0]]
+    group.add_argument(meta["flag"], **kwargs)
+
+
+def _add_flags(p: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    g = p.add_argument_group(title)
+    for _section, f in flag_fields():
+        if f.metadata["group"] == title:
+            _add_field_flag(g, f)
+    return g
+
+
+def add_train_options(p: argparse.ArgumentParser) -> None:
+    """What shapes the training: data, model, optimizer, epochs, engine, output."""
+    g = _add_flags(p, TRAINING)
+    g.add_argument("--config", metavar="FILE.toml", default=None,
+                   help="TOML file with [data] [model] [optim] [train] tables")
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """Checkpoint, resume and fault-tolerance options of `train` and its worker."""
+    g = _add_flags(p, RUN)
+    g.add_argument("--resume", nargs="?", const=LATEST, default=None, metavar="RUN_DIR",
+                   help="continue RUN_DIR from its newest good checkpoint, with its own "
+                        "settings (options given here override them); without RUN_DIR: "
+                        "the most recently checkpointed run under --out-dir")
+    g.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="write this run into DIR (new or empty) instead of a new directory "
+                        "under --out-dir; multi-node runs with --max-restarts need it")
+
+
+def add_verify_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("verify")
+    g.add_argument("--steps", type=int, default=10, help="training steps to compare (default: 10)")
+    g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                   help="parameter dtype; the tolerance scales with its epsilon")
+
+
+def add_resolved_config(p: argparse.ArgumentParser) -> None:
+    """The launching command passes its already resolved config to the workers."""
+    p.add_argument("--resolved-config", default=None, help=argparse.SUPPRESS)
+
+
+def config_from_args(args: argparse.Namespace, resume_dir: Path | None = None) -> Config:
+    """Defaults < the resumed run's own config < --config file < command line; or the
+    config the launching command resolved, as it is."""
+    resolved = getattr(args, "resolved_config", None)
+    if resolved is not None:
+        return Config.from_dict(json.loads(resolved), source="launching command").validate()
+    base = read_run_config(resume_dir) if resume_dir is not None else None
+    return resolve(vars(args), args.config, base=base, base_source=f"{resume_dir}/config.json")
+
+
+__all__ = ["add_train_options", "add_run_options", "add_verify_options",
+           "add_resolved_config", "config_from_args"]

@@ -1,0 +1,45 @@
+"""Checks the launching command (``ddpkit train`` / ``ddpkit verify``) makes before any
+worker starts: every worker would otherwise fail later, each with the same message."""
+
+from __future__ import annotations
+
+import os
+
+from ddpkit.data.datasets import DATASETS, load_dataset
+from ddpkit.data.partition import local_batch_size
+from ddpkit.errors import ConfigError
+from ddpkit.launch import default_nproc
+from ddpkit.train.config import Config
+from ddpkit.train.models import build_model
+
+
+def check_world_size(cfg: Config, opts) -> None:
+    """Catch a global batch the ranks cannot split."""
+    nproc = opts.nproc_per_node if opts.nproc_per_node is not None else default_nproc()
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node must be a positive integer, got {nproc}")
+    if ":" in opts.nnodes:  # elastic: the world size is only known at rendezvous
+        return
+    try:
+        nnodes = int(opts.nnodes)
+    except ValueError:
+        raise ConfigError(f"--nnodes {opts.nnodes!r} is not N or MIN:MAX") from None
+    if nnodes < 1:
+        raise ConfigError(f"--nnodes must be >= 1, got {nnodes}")
+    local_batch_size(cfg.train.batch_size, nproc * nnodes)
+
+
+def check_data(cfg: Config) -> None:
+    """A model that does not fit the data, or a missing or malformed dataset."""
+    spec = DATASETS[cfg.data.name]
+    build_model(cfg.model.name, spec.input_shape, spec.num_classes, hidden=cfg.model.hidden)
+    if cfg.data.name == "mnist":  # the only one read from the user's files
+        load_dataset("mnist", cfg.data.data_dir)
+
+
+def quiet_omp_warning(opts) -> None:
+    """torchrun warns on every launch unless OMP_NUM_THREADS is set; set what the trainer
+    would pick anyway (cores shared by the local processes)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        nproc = opts.nproc_per_node or default_nproc()
+        opts.extra_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
