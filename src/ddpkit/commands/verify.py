@@ -13,22 +13,9 @@ import tempfile
 from pathlib import Path
 
 from ddpkit.commands.launch import add_launch_options, options_from_args
-from ddpkit.commands.train import (
-    add_train_options,
-    check_data,
-    check_world_size,
-    config_from_args,
-    quiet_omp_warning,
-)
+from ddpkit.train.options import add_train_options, add_verify_options, config_from_args
 
 WORKER_MODULE = "ddpkit.train.verify"
-
-
-def add_verify_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("verify")
-    g.add_argument("--steps", type=int, default=10, help="training steps to compare (default: 10)")
-    g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
-                   help="parameter dtype; the tolerance scales with its epsilon")
 
 
 def register(sub) -> None:
@@ -43,14 +30,15 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from ddpkit.errors import ConfigError
     from ddpkit.launch import launch
-    from ddpkit.train.verify import VerifyResult, run_verify_worker
+    from ddpkit.train.prelaunch import check_data, check_world_size, quiet_omp_warning
+    from ddpkit.train.verify import VerifyResult, run_from_args
     from ddpkit.world import World
 
+    if World.from_env(require_master_addr=False).source != "single":
+        return run_from_args(args)  # one worker of a job some launcher started
     cfg = config_from_args(args)
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
-    if World.from_env(require_master_addr=False).source != "single":
-        return run_verify_worker(cfg, args.steps, args.dtype, None)
     opts = options_from_args(args)
     check_world_size(cfg, opts)
     check_data(cfg)

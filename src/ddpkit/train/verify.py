@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -28,14 +27,21 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpkit.data.datasets import ArrayDataset, load_dataset
 from ddpkit.data.partition import ShardSampler
-from ddpkit.errors import ConfigError, DdpkitError
+from ddpkit.errors import ConfigError
+from ddpkit.runtime import distributed
 from ddpkit.train.config import Config
+from ddpkit.train.entry import run_entry
 from ddpkit.train.metrics import MetricSums
 from ddpkit.train.models import build_model
+from ddpkit.train.options import (
+    add_resolved_config,
+    add_train_options,
+    add_verify_options,
+    config_from_args,
+)
 from ddpkit.train.trainer import Trainer, Wrap, unwrap
 from ddpkit.world import World
 
@@ -167,8 +173,6 @@ def verify(cfg: Config, world: World, *, steps: int = 10, dtype: str = "float32"
 
 
 def run_verify_worker(cfg: Config, steps: int, dtype: str, result_file: str | None) -> int:
-    from ddpkit.runtime import distributed
-
     with distributed() as world:
         result = verify(cfg, world, steps=steps, dtype=dtype)
     if result is None:
@@ -180,32 +184,28 @@ def run_verify_worker(cfg: Config, steps: int, dtype: str, result_file: str | No
     return 0 if result.passed else 1
 
 
-def parse(argv: list[str] | None):
-    from ddpkit.commands.train import add_train_options, config_from_args
-    from ddpkit.commands.verify import add_verify_options
-
+def verify_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ddpkit.train.verify")
     add_train_options(p)
     add_verify_options(p)
-    p.add_argument("--resolved-config", default=None, help=argparse.SUPPRESS)
+    add_resolved_config(p)
     p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.resolved_config is not None:
-        cfg = Config.from_dict(json.loads(args.resolved_config), source="ddpkit verify").validate()
-    else:
-        cfg = config_from_args(args)
-    return cfg, args
+    return p
 
 
-@record
+def run_from_args(args: argparse.Namespace) -> int:
+    """The verify worker, from parsed options (``ddpkit verify`` under a launcher too)."""
+    def body() -> int:
+        if args.steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+        return run_verify_worker(config_from_args(args), args.steps, args.dtype,
+                                 getattr(args, "result_file", None))
+
+    return run_entry("verify", body)
+
+
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg, args = parse(argv)
-        return run_verify_worker(cfg, args.steps, args.dtype, args.result_file)
-    except DdpkitError as err:
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"ddpkit verify: error: {err}", file=sys.stderr)
-        return 2
+    return run_from_args(verify_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@
 the run directory (so that restarted workers find their checkpoints); it also runs
 directly under any launcher, e.g.
 ``torchrun --nproc-per-node 2 -m ddpkit.train.worker --epochs 5``.
-The entry is wrapped with torch.distributed.elastic's ``@record``, so a crash lands in
-torchrun's error file and its summary names the failing rank.
+``ddpkit train`` run under a launcher is this same entry (:func:`run_from_args`), so
+every way in ends with the same exit codes (:mod:`ddpkit.train.entry`).
 
 Restarts: torchrun's agent restarts every worker when one fails
 (``--max-restarts``) and says which attempt this is in ``TORCHELASTIC_RESTART_COUNT``;
@@ -19,18 +19,25 @@ signal with no agent (srun, mpirun), 2 on a user error, :data:`EXIT_HANG` on a h
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import record
-
-from ddpkit.errors import DdpkitError
-from ddpkit.fault import EXIT_HANG, EXIT_PREEMPTED, HangError
+from ddpkit.fault import EXIT_PREEMPTED
+from ddpkit.runtime import distributed
+from ddpkit.train import inject
 from ddpkit.train.config import Config
+from ddpkit.train.entry import run_entry
+from ddpkit.train.options import (
+    add_resolved_config,
+    add_run_options,
+    add_train_options,
+    config_from_args,
+)
+from ddpkit.train.resume import find_run_dir
+from ddpkit.train.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -55,10 +62,6 @@ class WorkerPlan:
 def run_worker(cfg: Config, plan: WorkerPlan | None = None,
                env: Mapping[str, str] | None = None) -> int:
     """Join the job's process group, train (or continue), always tear down."""
-    from ddpkit.runtime import distributed
-    from ddpkit.train import inject
-    from ddpkit.train.trainer import Trainer
-
     plan = plan or WorkerPlan()
     with distributed() as world:
         trainer = Trainer(cfg, world, run_dir=plan.run_dir)
@@ -71,41 +74,30 @@ def run_worker(cfg: Config, plan: WorkerPlan | None = None,
     return 0
 
 
-def parse(argv: list[str] | None) -> tuple[Config, WorkerPlan]:
-    from ddpkit.commands.train import add_run_options, add_train_options, config_from_args
-    from ddpkit.train.resume import find_run_dir
-
+def worker_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ddpkit.train.worker")
     add_train_options(p)
     add_run_options(p)
-    p.add_argument("--resolved-config", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    resume_dir = None
-    if args.resume is not None:
-        resume_dir = find_run_dir(args.resume, args.out_dir or Config().train.out_dir)
-    if args.resolved_config is not None:
-        cfg = Config.from_dict(json.loads(args.resolved_config), source="ddpkit train")
-        cfg.validate()
-    else:
+    add_resolved_config(p)
+    return p
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """The worker, from parsed options: ``ddpkit train`` under a launcher comes here too."""
+    def body() -> int:
+        resume_dir = None
+        if args.resume is not None:
+            resume_dir = find_run_dir(args.resume, args.out_dir or Config().train.out_dir)
         cfg = config_from_args(args, resume_dir)
-    plan = WorkerPlan.from_env(os.environ, resume_dir or args.run_dir, resume_dir is not None)
-    return cfg, plan
-
-
-@record
-def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg, plan = parse(argv)
+        plan = WorkerPlan.from_env(os.environ, resume_dir or args.run_dir,
+                                   resume_dir is not None)
         return run_worker(cfg, plan, os.environ)
-    except HangError as err:
-        # Only this rank knows what it waited for: every rank that times out says so.
-        print(f"ddpkit train: error: {err}", file=sys.stderr, flush=True)
-        return EXIT_HANG
-    except DdpkitError as err:
-        # Every rank hits the same user error: one line per node is enough.
-        if os.environ.get("LOCAL_RANK", "0") == "0":
-            print(f"ddpkit train: error: {err}", file=sys.stderr)
-        return 2
+
+    return run_entry("train", body)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_from_args(worker_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
