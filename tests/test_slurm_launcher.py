@@ -24,6 +24,7 @@ import pytest
 from conftest import ROOT
 from ddpkit import ConfigError, cli, torchrun_args
 from ddpkit.slurm import AGENT_SIGNALS, SlurmJob, render, write
+from test_multinode import TRAIN_ARGS, assert_same_training, reference_run
 
 JOB_ID = "4343"
 TIMEOUT_S = 180
@@ -302,6 +303,47 @@ def test_usr1_reaches_every_worker_through_the_agents_and_requeues(tmp_path, fak
     assert f"checkpoint and requeue job {JOB_ID}" in err
     assert "ddpkit launch: got SIGUSR1; the workers were sent SIGUSR1" in err
     assert job.returncode == 128 + signal.SIGUSR1, err[-3000:]
+
+
+def test_preempted_train_is_requeued_and_ends_like_one_uninterrupted_node(
+        tmp_path, tmp_path_factory, fake_slurm):
+    """USR1 mid-epoch: the agents pass it to the workers, which checkpoint and stop; the
+    job asks for a requeue; the requeued job resumes its run directory and ends with an
+    uninterrupted 1-node, 2-process run's model, bit for bit."""
+    want = reference_run(tmp_path_factory)
+    env_for, log = fake_slurm
+    out = tmp_path / "runs"
+    script = write(SlurmJob(nodes=2, gpus_per_node=0, tasks_per_node=1, launcher="torchrun",
+                            command=("train", *TRAIN_ARGS, "--checkpoint-every-steps", "4",
+                                     "--out-dir", str(out))),
+                   tmp_path / "train.sbatch")
+    env = env_for(2)
+    job = subprocess.Popen(["bash", str(script)], cwd=ROOT, text=True,
+                           env={**env, "DDPKIT_TEST_SLEEP_AT_STEP": "5:*:120"},
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not list(out.glob("*/checkpoints/step_000000004.json")):
+            assert time.monotonic() < deadline and job.poll() is None, "no checkpoint appeared"
+            time.sleep(0.1)
+        job.send_signal(signal.SIGUSR1)  # to the batch shell only, as --signal=B:USR1 does
+        _, err = job.communicate(timeout=TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 128 + signal.SIGUSR1, err[-3000:]
+    assert f"requeue {JOB_ID}" in log.read_text().splitlines()
+    run = out / f"slurm-job-{JOB_ID}"
+    assert json.loads((run / "checkpoints" / "step_000000005.json").read_text())["reason"] \
+        == "preempted"
+
+    env["RDZV_PORT"] = str(free_port())
+    proc = batch(script, {**env, "SLURM_RESTART_COUNT": "1"})  # what SLURM sets
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resumed at step 5" in proc.stdout + proc.stderr
+    assert_same_training(out, want)
 
 
 def test_plain_srun_layout_is_still_the_default():
