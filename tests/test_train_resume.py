@@ -48,3 +48,26 @@ def test_resume_from_any_step_matches_the_uninterrupted_run(pools, save_at):
         assert executed == list(range(save_at + 1, 21))
         assert len(p_full) == len(p_res)
         assert all(torch.equal(a, b) for a, b in zip(p_full, p_res, strict=True))
+
+
+def test_workers_refuse_a_checkpoint_written_with_other_settings(tmp_path):
+    """Trainer.restore applies the launcher's rule (refuse_changed_config) for itself, so
+    a worker started by another launcher cannot continue a run under other settings."""
+    from ddpkit.checkpoint import CheckpointError
+    from ddpkit.train.config import Config
+    from ddpkit.train.trainer import Trainer
+    from ddpkit.world import World
+
+    def plain(module, engine, device):
+        return module  # one process, no process group: no engine needed
+
+    small = {**CFG, "data": {**CFG["data"], "synthetic_size": 64},
+             "train": {**CFG["train"], "epochs": 1, "progress": False}}
+    Trainer(Config.from_dict(small), World(), run_dir=tmp_path, wrap=plain).fit()
+    wider = {**small, "model": {**small["model"], "hidden": [16]}}
+    trainer = Trainer(Config.from_dict(wider), World(), run_dir=tmp_path, wrap=plain)
+    with pytest.raises(CheckpointError) as err:
+        trainer.restore()
+    assert str(err.value) == (
+        f"checkpoint of step 2 in {tmp_path / 'checkpoints'} was written with other settings "
+        "(model.hidden: [128] -> [16]); leave those options out to resume, or start a new run")

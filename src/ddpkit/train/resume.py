@@ -83,13 +83,22 @@ def check_resumable(run_dir: Path, cfg: Config) -> CheckpointInfo:
             "warnings above); nothing to resume"
         )
     saved = info.meta.get("config")
-    changes = config_changes(saved, cfg.identity()) if saved is not None else []
+    if saved is not None:
+        refuse_changed_config(saved, cfg, f"--resume {run_dir}: its checkpoint {info.name}")
+    return info
+
+
+def refuse_changed_config(saved: Any, cfg: Config, source: str) -> None:
+    """One error naming every setting in which ``cfg`` differs from the config a
+    checkpoint was written with (``saved``: its JSON text or dict); ``source`` names the
+    checkpoint. The one rule for both the launcher (:func:`check_resumable`) and the
+    workers (:meth:`Trainer.restore`)."""
+    changes = config_changes(saved, cfg.identity())
     if changes:
         raise CheckpointError(
-            f"--resume {run_dir}: its checkpoint {info.name} was written with other settings "
-            f"({'; '.join(changes)}); leave those options out to resume, or start a new run"
+            f"{source} was written with other settings ({'; '.join(changes)}); "
+            "leave those options out to resume, or start a new run"
         )
-    return info
 
 
 def preempted_since(run_dir: Path, since: float) -> CheckpointInfo | None:

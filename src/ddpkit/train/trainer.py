@@ -52,7 +52,6 @@ from ddpkit.checkpoint import (
     Checkpointer,
     CheckpointError,
     collect_state,
-    config_changes,
     config_fingerprint,
     restore_state,
 )
@@ -67,6 +66,7 @@ from ddpkit.train import report
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums, gather_floats
 from ddpkit.train.models import build_model
+from ddpkit.train.resume import refuse_changed_config
 from ddpkit.train.sample_log import SampleLog, truncate_sample_logs
 from ddpkit.world import World
 
@@ -314,13 +314,7 @@ class Trainer:
         extra = state.get("extra") or {}
         if "config" not in state or "loop" not in extra:
             raise CheckpointError(f"{source} was not written by ddpkit train; cannot resume it")
-        changes = config_changes(state["config"], self.cfg.identity())
-        if changes:
-            raise CheckpointError(
-                f"{source} in {self.checkpointer.dir} was written with other settings "
-                f"({'; '.join(changes)}); resume with the run's own settings (leave those "
-                "options out) or start a new run"
-            )
+        refuse_changed_config(state["config"], self.cfg, f"{source} in {self.checkpointer.dir}")
         info = restore_state(state, model=self.model, optimizer=self.optimizer, source=source)
         self.loop.load_state_dict(extra["loop"])
         self.sampler.load_state_dict(self.loop.sampler)
