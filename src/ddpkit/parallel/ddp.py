@@ -37,6 +37,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from ddpkit.errors import ConfigError
 from ddpkit.parallel import torch_compat
 from ddpkit.parallel.buckets import Allocator, default_allocator, size_limits
+from ddpkit.parallel.join_state import TorchJoinHook
 from ddpkit.parallel.reducer import CommHook, Reducer
 from ddpkit.parallel.state_sync import broadcast_coalesced, verify_same_layout
 
@@ -256,11 +257,9 @@ class DataParallel(nn.Module, Joinable):
         broadcast_coalesced(tensors, src, self.group)
 
     # torch's Joinable interface: torch.distributed.algorithms.Join([model, ...]) drives the
-    # same shadowing as ddpkit.join (see ddpkit.parallel.join.TorchJoinHook).
+    # same shadowing as ddpkit.join (see ddpkit.parallel.join_state.TorchJoinHook).
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        from ddpkit.parallel.join import TorchJoinHook
-
         return TorchJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

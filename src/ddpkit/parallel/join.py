@@ -25,40 +25,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
-import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.ddp import DataParallel
-
-
-class JoinState:
-    """Per-model bookkeeping while a join context is open."""
-
-    def __init__(self, model: DataParallel, divide_by_initial_world_size: bool):
-        self.world_size = model.world_size
-        self.rank = model.rank
-        self.divide_by_initial_world_size = divide_by_initial_world_size
-        self.last_active: list[int] = list(range(self.world_size))
-        self.device = next(model.module.parameters()).device
-
-    def exchange(self, model: DataParallel, *, active: bool, sync: bool) -> tuple[list[int], bool]:
-        """The per-forward all-reduce: who still trains, and do they reduce gradients now."""
-        flags = torch.zeros(self.world_size + 1, dtype=torch.int32, device=self.device)
-        if active:
-            flags[self.rank] = 1
-            flags[-1] = int(sync)
-        if self.world_size > 1:
-            dist.all_reduce(flags, group=model.group)
-        values = flags.tolist()
-        ranks = [r for r in range(self.world_size) if values[r]]
-        if ranks:
-            self.last_active = ranks
-        return ranks, values[-1] > 0
-
-    def divisor(self, n_active: int) -> int:
-        return self.world_size if self.divide_by_initial_world_size else n_active
+from ddpkit.parallel.join_state import JoinState
 
 
 @contextlib.contextmanager
@@ -123,32 +94,3 @@ def _shadow_until_all_done(models: list[DataParallel], states: list[JoinState]) 
     for m, state in zip(models, states):
         if len(state.last_active) < state.world_size:
             m._sync_final_state(min(state.last_active))
-
-
-class TorchJoinHook:
-    """What torch's ``Join([model, ...])`` calls on a ddpkit.DataParallel.
-
-    torch's Join runs ``main_hook`` on a rank that left its loop once per iteration the
-    others still run, and ``post_hook`` when everyone has left. Both reuse ddpkit.join's
-    machinery: the per-forward exchange of who still trains, then the shadow iteration.
-    """
-
-    def __init__(self, model: DataParallel, divide_by_initial_world_size: bool):
-        if model._join_state is not None:
-            raise ConfigError("this model is already inside a join() block; use either "
-                              "ddpkit.join or torch's Join around it, not both")
-        self.model = model
-        self.state = JoinState(model, divide_by_initial_world_size)
-        model._torch_join_state = self.state
-
-    def main_hook(self) -> None:
-        self.model._join_state = self.state
-        active, sync = self.state.exchange(self.model, active=False, sync=False)
-        if active:
-            self.model._shadow_iteration(active, sync, self.state.divisor(len(active)))
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        if len(self.state.last_active) < self.state.world_size:
-            self.model._sync_final_state(min(self.state.last_active))
-        self.model._join_state = None
-        self.model._torch_join_state = None

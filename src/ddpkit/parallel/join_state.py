@@ -1,0 +1,72 @@
+"""The state a join keeps per model, shared by ddpkit.join and torch's Join.
+
+Kept apart from :mod:`ddpkit.parallel.join` so that DataParallel (which hands torch's
+``Join`` a :class:`TorchJoinHook`) and the join context (which needs DataParallel) do
+not import each other. ``model`` below is always a :class:`ddpkit.DataParallel`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.errors import ConfigError
+
+
+class JoinState:
+    """Per-model bookkeeping while a join context is open."""
+
+    def __init__(self, model: Any, divide_by_initial_world_size: bool):
+        self.world_size = model.world_size
+        self.rank = model.rank
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+        self.last_active: list[int] = list(range(self.world_size))
+        self.device = next(model.module.parameters()).device
+
+    def exchange(self, model: Any, *, active: bool, sync: bool) -> tuple[list[int], bool]:
+        """The per-forward all-reduce: who still trains, and do they reduce gradients now."""
+        flags = torch.zeros(self.world_size + 1, dtype=torch.int32, device=self.device)
+        if active:
+            flags[self.rank] = 1
+            flags[-1] = int(sync)
+        if self.world_size > 1:
+            dist.all_reduce(flags, group=model.group)
+        values = flags.tolist()
+        ranks = [r for r in range(self.world_size) if values[r]]
+        if ranks:
+            self.last_active = ranks
+        return ranks, values[-1] > 0
+
+    def divisor(self, n_active: int) -> int:
+        return self.world_size if self.divide_by_initial_world_size else n_active
+
+
+class TorchJoinHook:
+    """What torch's ``Join([model, ...])`` calls on a ddpkit.DataParallel.
+
+    torch's Join runs ``main_hook`` on a rank that left its loop once per iteration the
+    others still run, and ``post_hook`` when everyone has left. Both reuse ddpkit.join's
+    machinery: the per-forward exchange of who still trains, then the shadow iteration.
+    """
+
+    def __init__(self, model: Any, divide_by_initial_world_size: bool):
+        if model._join_state is not None:
+            raise ConfigError("this model is already inside a join() block; use either "
+                              "ddpkit.join or torch's Join around it, not both")
+        self.model = model
+        self.state = JoinState(model, divide_by_initial_world_size)
+        model._torch_join_state = self.state
+
+    def main_hook(self) -> None:
+        self.model._join_state = self.state
+        active, sync = self.state.exchange(self.model, active=False, sync=False)
+        if active:
+            self.model._shadow_iteration(active, sync, self.state.divisor(len(active)))
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        if len(self.state.last_active) < self.state.world_size:
+            self.model._sync_final_state(min(self.state.last_active))
+        self.model._join_state = None
+        self.model._torch_join_state = None
