@@ -21,7 +21,7 @@ CHILD = textwrap.dedent(
     """
     import os, sys, time
     import torch
-    import ddpkit.checkpoint as ck
+    import ddpkit.checkpoint.store as ck
 
     directory, stage = sys.argv[1], sys.argv[2]
     ckpt = ck.Checkpointer(directory, keep=2)

@@ -1,0 +1,41 @@
+"""Checkpoints that survive crashes: rank 0 writes atomically, every rank loads safely."""
+
+from ddpkit.checkpoint.store import (
+    FORMAT,
+    Cadence,
+    Checkpointer,
+    CheckpointError,
+    CheckpointInfo,
+    check_model_state,
+    collect_state,
+    config_changes,
+    config_fingerprint,
+    gather_rng_states,
+    load_model_state,
+    local_device,
+    restore_state,
+    rng_state,
+    set_rng_state,
+    strip_module_prefix,
+    unwrap,
+)
+
+__all__ = [
+    "FORMAT",
+    "Cadence",
+    "CheckpointError",
+    "CheckpointInfo",
+    "Checkpointer",
+    "check_model_state",
+    "collect_state",
+    "config_changes",
+    "config_fingerprint",
+    "gather_rng_states",
+    "load_model_state",
+    "local_device",
+    "restore_state",
+    "rng_state",
+    "set_rng_state",
+    "strip_module_prefix",
+    "unwrap",
+]
