@@ -185,3 +185,73 @@ def test_register_comm_hook_misuse_is_one_line(pools):
     assert "must be callable" in not_callable
     assert "already registered" in twice
     assert "before the first forward" in after_backward
+
+
+def _bf16_hook_under_another_name(state, bucket):
+    """torch's bf16_compress_hook itself, called through a function of another name."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+def run_bf16_compress_hook(world):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    try:
+        DistributedDataParallel(nn.Linear(4, 2)).register_comm_hook(
+            None, default_hooks.bf16_compress_hook)
+        torch_refusal = None
+    except TypeError as exc:
+        torch_refusal = str(exc)
+    theirs = scripts._with_hook(DistributedDataParallel,
+                                lambda: (None, _bf16_hook_under_another_name))
+    ours = scripts._with_hook(ddpkit.DataParallel,
+                              lambda: (None, default_hooks.bf16_compress_hook))
+    ours_renamed = scripts._with_hook(ddpkit.DataParallel,
+                                      lambda: (None, _bf16_hook_under_another_name))
+    fp32 = scripts._with_hook(ddpkit.DataParallel, lambda: (None, default_hooks.allreduce_hook))
+    return (torch_refusal,
+            all(torch.equal(theirs[k], ours[k]) for k in theirs),
+            all(torch.equal(ours[k], ours_renamed[k]) for k in ours),
+            any(not torch.equal(ours[k], fp32[k]) for k in ours))
+
+
+def test_bf16_compress_hook_runs_and_agrees_with_torch_ddp_running_the_same_hook(pools):
+    """torch DDP refuses ``register_comm_hook(state, bf16_compress_hook)`` on a build
+    without CUDA 11+/NCCL 2.10+ (this CPU build), whatever the backend: the check is on
+    the hook's *name* (torch/nn/parallel/distributed.py, _check_comm_hook). gloo reduces
+    bfloat16 fine, and the same hook called under another name runs under torch DDP on
+    gloo: ddpkit runs torch's hook as registered and ends bit-identical to that run."""
+    for refusal, same_as_torch, name_irrelevant, compressed in pools(2).run(
+            run_bf16_compress_hook):
+        if torch.cuda.is_available():  # a CUDA build with NCCL >= 2.10 accepts it
+            assert refusal is None, refusal
+        else:
+            assert refusal is not None and "BF16" in refusal, refusal
+        assert same_as_torch, "ddpkit with bf16_compress_hook differs from torch DDP's run"
+        assert name_irrelevant
+        assert compressed, "bf16 hook gave float32 all-reduce's result: did it compress?"
+
+
+def run_join_with_a_plain_optimizer(world):
+    from torch.distributed.algorithms.join import Join
+
+    errors = []
+    for DDP in (DistributedDataParallel, ddpkit.DataParallel):
+        model = DDP(nn.Linear(4, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            with Join([model, opt]):
+                model(torch.ones(1, 4)).sum().backward()
+            errors.append(None)
+        except Exception as exc:  # what torch's Join raises, compared between engines
+            errors.append(f"{type(exc).__name__}: {exc}")
+    return errors
+
+
+def test_join_with_a_plain_optimizer_is_refused_by_torch_join_under_both_engines(pools):
+    """torch's Join takes Joinable objects only (a model, a ZeroRedundancyOptimizer);
+    a plain optimizer is refused by Join itself, the same way under both engines."""
+    for theirs, ours in pools(2).run(run_join_with_a_plain_optimizer):
+        assert theirs is not None and "join_hook" in theirs, theirs
+        assert ours == theirs

@@ -215,6 +215,23 @@ def uneven_inputs_join_mean_of_active_ranks(DDP):
     return _state(model)
 
 
+def uneven_inputs_join_zero_optimizer(DDP):
+    """torch's Join over the model and a ZeroRedundancyOptimizer (both Joinable): the
+    rank that runs out of batches keeps answering the optimizer's parameter broadcasts."""
+    from torch.distributed.algorithms.join import Join
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = DDP(_mlp())
+    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2)
+    batches = [_batch(step) for step in range(3 + 2 * _rank())]
+    with Join([model, opt]):
+        for x, y in batches:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    return _state(model)
+
+
 def _with_hook(DDP, make_hook):
     model = DDP(_mlp())
     state, hook = make_hook()
@@ -266,6 +283,6 @@ def compiled(DDP):
 SCRIPTS = {f.__name__: f for f in (
     accumulate_no_sync, accumulate_require_backward_grad_sync, adamw_clip_scheduler,
     bf16_autocast, gpt_tied_weights, cnn_batchnorm, unused_parameters, uneven_inputs_join,
-    uneven_inputs_join_mean_of_active_ranks,
+    uneven_inputs_join_mean_of_active_ranks, uneven_inputs_join_zero_optimizer,
     hook_allreduce, hook_fp16_compress, hook_powersgd,
 )}
