@@ -62,6 +62,7 @@ LAYERS = {
     "test_mpi.py": E2E,
     "test_multinode.py": E2E,
     "test_slurm.py": E2E,
+    "test_slurm_launcher.py": E2E,
     "test_train_e2e.py": E2E,
     "test_train_example.py": E2E,
     "test_train_fault.py": E2E,
@@ -103,6 +104,10 @@ SLOW = {
                         "test_port_in_use_is_one_line", "test_world_size_mismatch_is_one_line"},
     "test_shm.py": {"test_hierarchical_across_fake_hosts_matches_torch",
                     "test_segment_of_a_killed_rank_is_removed_at_restart"},
+    "test_slurm_launcher.py": {
+        "test_preempted_train_is_requeued_and_ends_like_one_uninterrupted_node",
+        "test_two_nodes_rendezvous_and_a_failed_worker_is_restarted",
+        "test_usr1_reaches_every_worker_through_the_agents_and_requeues"},
     "test_train_fault_api.py": {
         "test_resume_at_another_world_size_keeps_data_position_and_optimizer"},
     "test_train_fault.py": {"test_killed_worker_is_restarted_and_the_run_ends_bit_identical",
@@ -127,8 +132,9 @@ def pytest_collection_modifyitems(config, items):
         name = item.path.name
         layer = LAYERS.get(name)
         if layer is None:
-            # Loud, but only for that file: other files keep running.
-            item.add_marker(pytest.mark.usefixtures("_layer_missing"))
+            # Loud, but only for that file: other files keep running. (A usefixtures
+            # marker added here would be ignored: fixtures were resolved at collection.)
+            item.fixturenames.append("_layer_missing")
         elif not any(item.get_closest_marker(m) for m in (UNIT, MULTIPROCESS, E2E)):
             item.add_marker(getattr(pytest.mark, layer))
         slow = SLOW.get(name, ())
