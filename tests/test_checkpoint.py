@@ -350,7 +350,7 @@ def test_cadence_by_steps_and_by_time(monkeypatch):
     by_steps = Cadence(every_steps=3)
     assert [s for s in range(10) if by_steps.due(s)] == [3, 6, 9]
     clock = [100.0]
-    monkeypatch.setattr("ddpkit.checkpoint.store.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("ddpkit.checkpoint.cadence.monotonic", lambda: clock[0])
     by_time = Cadence(every_seconds=60)
     assert not by_time.due(1)
     clock[0] += 61

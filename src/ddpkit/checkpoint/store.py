@@ -1,4 +1,4 @@
-"""Checkpoints that survive crashes: rank 0 writes atomically, every rank loads safely.
+"""Checkpoint files: rank 0 writes atomically, every rank loads safely.
 
 Seeds 001/003 save on rank 0, barrier, and load with ``map_location``. This module makes
 that protocol trustworthy:
@@ -16,10 +16,6 @@ that protocol trustworthy:
   raises the same error (no rank left waiting in a barrier for a writer that failed).
 * **No code from files.** Loads use ``weights_only=True``; everything stored is tensors,
   numbers, strings, lists and dicts (numpy/python RNG states are converted).
-
-``collect_state`` / ``restore_state`` build and apply the training state: the unwrapped
-model, optimizer, LR scheduler, sampler position, per-rank RNG streams, step/epoch,
-world size and a config fingerprint.
 """
 
 from __future__ import annotations
@@ -29,17 +25,16 @@ import hashlib
 import json
 import os
 import pickle
-import random
 import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from ddpkit.checkpoint._dist import _initialized, _rank, _world_size, local_device
 from ddpkit.errors import DdpkitError
 from ddpkit.log import get_logger
 
@@ -73,31 +68,6 @@ class CheckpointInfo:
 
 
 # --------------------------------------------------------------------- helpers
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if _initialized() else 1
-
-
-def local_device() -> torch.device:
-    """The device this process drives: where checkpoint tensors should land on load."""
-    from ddpkit.runtime import current_world
-
-    world = current_world()
-    if world is not None:
-        return torch.device(world.device)
-    if torch.accelerator.is_available():
-        acc = torch.accelerator.current_accelerator()
-        return torch.device(acc.type, torch.accelerator.current_device_index())
-    return torch.device("cpu")
-
-
 def _fsync_dir(path: Path) -> None:
     # A rename is only durable once the directory entry itself reaches the disk.
     fd = os.open(path, os.O_RDONLY)
@@ -156,36 +126,6 @@ def _sha256_file(path: Path, chunk: int = 8 << 20) -> tuple[str, int]:
             sha.update(block)
             size += len(block)
     return sha.hexdigest(), size
-
-
-# --------------------------------------------------------------------- cadence
-class Cadence:
-    """When a checkpoint is due: every ``every_steps`` steps and/or ``every_seconds``.
-
-    The step rule gives the same answer on every rank; the time rule reads this rank's
-    clock, so pass its answer through an agreement (``PreemptionGuard.check(step,
-    save_due=cadence.due(step))``) before acting on it.
-    """
-
-    def __init__(self, every_steps: int | None = None, every_seconds: float | None = None):
-        if every_steps is not None and every_steps < 1:
-            raise CheckpointError(f"checkpoint every_steps must be >= 1, got {every_steps}")
-        if every_seconds is not None and every_seconds <= 0:
-            raise CheckpointError(f"checkpoint every_seconds must be > 0, got {every_seconds}")
-        self.every_steps = every_steps
-        self.every_seconds = every_seconds
-        self._last = time.monotonic()
-
-    def due(self, step: int) -> bool:
-        by_steps = self.every_steps is not None and step > 0 and step % self.every_steps == 0
-        by_time = (
-            self.every_seconds is not None and time.monotonic() - self._last >= self.every_seconds
-        )
-        return by_steps or by_time
-
-    def saved(self) -> None:
-        """Call after each save: the time rule counts from the last save."""
-        self._last = time.monotonic()
 
 
 # --------------------------------------------------------------------- Checkpointer
@@ -461,260 +401,3 @@ class Checkpointer:
         step = state.get("step")
         log.info(f"resuming from {chosen}" + ("" if step is None else f" (step {step})"))
         return state
-
-
-# --------------------------------------------------------------------- model state
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside torch DDP, ddpkit.DataParallel or similar wrappers."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
-
-
-def strip_module_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop the ``module.`` prefix a wrapped model's state_dict carries (seed 001 saves
-    ``ddp_model.state_dict()``), so files from wrapped and plain models are the same."""
-    keys = list(state)
-    prefix = "module."
-    while keys and all(k.startswith(prefix) for k in keys):
-        state = {k[len(prefix):]: v for k, v in state.items()}
-        keys = list(state)
-    return dict(state)
-
-
-def _preview(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def check_model_state(
-    model: torch.nn.Module, state: Mapping[str, Any], source: str = "checkpoint"
-) -> None:
-    """Raise one CheckpointError listing missing, unexpected and mis-shaped keys."""
-    expected = unwrap(model).state_dict()
-    missing = [k for k in expected if k not in state]
-    unexpected = [k for k in state if k not in expected]
-    shapes = [
-        f"{k} {tuple(state[k].shape)} vs model {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in state and torch.is_tensor(v) and torch.is_tensor(state[k])
-        and state[k].shape != v.shape
-    ]
-    parts = []
-    if missing:
-        parts.append(f"missing keys [{_preview(missing)}]")
-    if unexpected:
-        parts.append(f"unexpected keys [{_preview(unexpected)}]")
-    if shapes:
-        parts.append(f"shape mismatch [{_preview(shapes)}]")
-    if parts:
-        raise CheckpointError(
-            f"{source} does not match this model ({type(unwrap(model)).__name__}): "
-            + "; ".join(parts)
-            + ". Was it written by another model or config?"
-        )
-
-
-def load_model_state(
-    model: torch.nn.Module, state: Mapping[str, Any], source: str = "checkpoint"
-) -> None:
-    """Load a (possibly ``module.``-prefixed) state dict into the unwrapped model, or
-    raise one error listing every key that differs."""
-    state = strip_module_prefix(state)
-    check_model_state(model, state, source)
-    unwrap(model).load_state_dict(state)
-
-
-# --------------------------------------------------------------------- RNG
-def rng_state() -> dict[str, Any]:
-    """This process's torch/numpy/python RNG states in weights_only-loadable types."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {
-            "kind": str(kind),
-            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached),
-        },
-        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    torch.set_rng_state(state["torch"].cpu())
-    npst = state["numpy"]
-    keys = npst["keys"].cpu().numpy().astype(np.uint32)
-    np.random.set_state(
-        (npst["kind"], keys, npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
-    )
-    py = state["python"]
-    random.setstate((py["version"], tuple(py["internal"]), py["gauss_next"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
-
-
-def gather_rng_states() -> list[dict[str, Any]] | None:
-    """Collective: every rank's RNG state, by rank, on rank 0 (None elsewhere).
-
-    Ranks draw different random numbers (dropout masks, augmentation), so a resume that
-    restored one stream everywhere would not continue the same run.
-    """
-    mine = rng_state()
-    if not _initialized():
-        return [mine]
-    gathered: list[Any] | None = [None] * _world_size() if _rank() == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    return gathered
-
-
-# --------------------------------------------------------------------- config
-def _config_json(config: Any) -> str:
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        config = dataclasses.asdict(config)
-    return json.dumps(config, sort_keys=True, default=str)
-
-
-def config_fingerprint(config: Any) -> str:
-    """A short stable hash of a config (dataclass or JSON-able mapping)."""
-    return hashlib.sha256(_config_json(config).encode()).hexdigest()[:16]
-
-
-def config_changes(saved: Any, current: Any) -> list[str]:
-    """``["model.hidden: [32] -> [64]", ...]``: the fields that differ between two
-    configs (dataclasses, mappings or their JSON text), flattened to dotted names."""
-    saved, current = (json.loads(c) if isinstance(c, str) else json.loads(_config_json(c))
-                      for c in (saved, current))
-    if not (isinstance(saved, dict) and isinstance(current, dict)):
-        return [] if saved == current else ["config differs"]
-    flat_saved, flat_current = _flatten(saved), _flatten(current)
-    return [
-        f"{k}: {flat_saved.get(k, '<unset>')!r} -> {flat_current.get(k, '<unset>')!r}"
-        for k in sorted(set(flat_saved) | set(flat_current))
-        if flat_saved.get(k, "<unset>") != flat_current.get(k, "<unset>")
-    ]
-
-
-def _config_diff(saved_json: str, current_json: str) -> str:
-    return _preview(config_changes(saved_json, current_json)) or "config differs"
-
-
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-# --------------------------------------------------------------------- training state
-def collect_state(
-    *,
-    model: torch.nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    sampler: Any = None,
-    step: int = 0,
-    epoch: int = 0,
-    config: Any = None,
-    extra: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Collective: the training state to pass to :meth:`Checkpointer.save`.
-
-    Call on every rank (it gathers each rank's RNG state to rank 0). ``sampler`` and
-    ``scheduler`` are anything with ``state_dict()``. ``extra`` must hold only tensors,
-    numbers, strings, lists and dicts (it is loaded with ``weights_only=True``).
-    """
-    state: dict[str, Any] = {
-        "format": FORMAT,
-        "step": int(step),
-        "epoch": int(epoch),
-        "world_size": _world_size(),
-        "rng": gather_rng_states(),
-    }
-    if model is not None:
-        state["model"] = strip_module_prefix(unwrap(model).state_dict())
-    if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
-    if scheduler is not None:
-        state["scheduler"] = scheduler.state_dict()
-    if sampler is not None:
-        state["sampler"] = sampler.state_dict()
-    if config is not None:
-        state["config"] = _config_json(config)
-        state["fingerprint"] = config_fingerprint(config)
-    if extra:
-        state["extra"] = dict(extra)
-    return state
-
-
-def restore_state(
-    state: Mapping[str, Any],
-    *,
-    model: torch.nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    sampler: Any = None,
-    config: Any = None,
-    rng: bool = True,
-    source: str = "checkpoint",
-) -> dict[str, Any]:
-    """Apply a state from :func:`collect_state`; every rank calls it with the same state.
-
-    Raises :class:`CheckpointError` naming the differing keys when the model does not
-    match, or the differing fields when ``config`` is given and its fingerprint differs.
-    RNG streams are restored per rank when the world size is unchanged; otherwise they
-    are left alone (with a warning) since the ranks they belonged to no longer exist.
-    Returns ``{"step", "epoch", "world_size", "rng_restored"}``.
-    """
-    fingerprint = state.get("fingerprint")
-    if config is not None and fingerprint and fingerprint != config_fingerprint(config):
-        raise CheckpointError(
-            f"{source} was written with a different config "
-            f"({_config_diff(state['config'], _config_json(config))}); "
-            "resume with the same config or start a fresh checkpoint directory"
-        )
-    for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
-                      ("sampler", sampler)):
-        if obj is not None and name not in state:
-            raise CheckpointError(f"{source} has no {name} state; it was saved without one")
-    if model is not None:
-        load_model_state(model, state["model"], source)
-    if optimizer is not None:
-        try:
-            optimizer.load_state_dict(state["optimizer"])
-        except (ValueError, KeyError) as err:
-            raise CheckpointError(
-                f"{source}: optimizer state does not fit this optimizer: {err}"
-            ) from None
-    if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    if sampler is not None:
-        sampler.load_state_dict(state["sampler"])
-    saved_world = int(state.get("world_size", 1))
-    rng_restored = False
-    per_rank = state.get("rng")
-    if rng and per_rank:
-        if saved_world == _world_size() and len(per_rank) == saved_world:
-            set_rng_state(per_rank[_rank()])
-            rng_restored = True
-        else:
-            log.warning(
-                f"{source} was written by {saved_world} ranks, this run has {_world_size()}: "
-                "model, optimizer and data position are restored exactly, per-rank random "
-                "streams start fresh, and results differ in the last bits from an "
-                f"uninterrupted {saved_world}-rank run (gradients are summed in another order)"
-            )
-    return {
-        "step": int(state.get("step", 0)),
-        "epoch": int(state.get("epoch", 0)),
-        "world_size": saved_world,
-        "rng_restored": rng_restored,
-    }

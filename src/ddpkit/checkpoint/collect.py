@@ -1,0 +1,127 @@
+"""The training state in one dict: built on every rank for :meth:`Checkpointer.save`,
+applied on every rank after a load."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ddpkit.checkpoint._dist import _rank, _world_size
+from ddpkit.checkpoint.fingerprint import _config_json, config_changes, config_fingerprint
+from ddpkit.checkpoint.model_state import _preview, load_model_state, strip_module_prefix, unwrap
+from ddpkit.checkpoint.rng import gather_rng_states, set_rng_state
+from ddpkit.checkpoint.store import FORMAT, CheckpointError
+from ddpkit.log import get_logger
+
+log = get_logger(__name__)
+
+
+def _config_diff(saved_json: str, current_json: str) -> str:
+    return _preview(config_changes(saved_json, current_json)) or "config differs"
+
+
+def collect_state(
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    sampler: Any = None,
+    step: int = 0,
+    epoch: int = 0,
+    config: Any = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Collective: the training state to pass to :meth:`Checkpointer.save`.
+
+    Call on every rank (it gathers each rank's RNG state to rank 0). ``sampler`` and
+    ``scheduler`` are anything with ``state_dict()``. ``extra`` must hold only tensors,
+    numbers, strings, lists and dicts (it is loaded with ``weights_only=True``).
+    """
+    state: dict[str, Any] = {
+        "format": FORMAT,
+        "step": int(step),
+        "epoch": int(epoch),
+        "world_size": _world_size(),
+        "rng": gather_rng_states(),
+    }
+    if model is not None:
+        state["model"] = strip_module_prefix(unwrap(model).state_dict())
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    if sampler is not None:
+        state["sampler"] = sampler.state_dict()
+    if config is not None:
+        state["config"] = _config_json(config)
+        state["fingerprint"] = config_fingerprint(config)
+    if extra:
+        state["extra"] = dict(extra)
+    return state
+
+
+def restore_state(
+    state: Mapping[str, Any],
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    sampler: Any = None,
+    config: Any = None,
+    rng: bool = True,
+    source: str = "checkpoint",
+) -> dict[str, Any]:
+    """Apply a state from :func:`collect_state`; every rank calls it with the same state.
+
+    Raises :class:`CheckpointError` naming the differing keys when the model does not
+    match, or the differing fields when ``config`` is given and its fingerprint differs.
+    RNG streams are restored per rank when the world size is unchanged; otherwise they
+    are left alone (with a warning) since the ranks they belonged to no longer exist.
+    Returns ``{"step", "epoch", "world_size", "rng_restored"}``.
+    """
+    fingerprint = state.get("fingerprint")
+    if config is not None and fingerprint and fingerprint != config_fingerprint(config):
+        raise CheckpointError(
+            f"{source} was written with a different config "
+            f"({_config_diff(state['config'], _config_json(config))}); "
+            "resume with the same config or start a fresh checkpoint directory"
+        )
+    for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
+                      ("sampler", sampler)):
+        if obj is not None and name not in state:
+            raise CheckpointError(f"{source} has no {name} state; it was saved without one")
+    if model is not None:
+        load_model_state(model, state["model"], source)
+    if optimizer is not None:
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as err:
+            raise CheckpointError(
+                f"{source}: optimizer state does not fit this optimizer: {err}"
+            ) from None
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if sampler is not None:
+        sampler.load_state_dict(state["sampler"])
+    saved_world = int(state.get("world_size", 1))
+    rng_restored = False
+    per_rank = state.get("rng")
+    if rng and per_rank:
+        if saved_world == _world_size() and len(per_rank) == saved_world:
+            set_rng_state(per_rank[_rank()])
+            rng_restored = True
+        else:
+            log.warning(
+                f"{source} was written by {saved_world} ranks, this run has {_world_size()}: "
+                "model, optimizer and data position are restored exactly, per-rank random "
+                "streams start fresh, and results differ in the last bits from an "
+                f"uninterrupted {saved_world}-rank run (gradients are summed in another order)"
+            )
+    return {
+        "step": int(state.get("step", 0)),
+        "epoch": int(state.get("epoch", 0)),
+        "world_size": saved_world,
+        "rng_restored": rng_restored,
+    }
