@@ -149,41 +149,171 @@ def test_registry_lists_builtins_and_refuses_bad_registrations():
         comm.get_algorithm("nope")
 
 
-class Picky:
-    """Claims float32 tensors for algo='auto' and counts what it reduced."""
-
-    def __init__(self):
-        self.calls = 0
-
-    def supports(self, tensor, group) -> bool:
-        return tensor.dtype == torch.float32
-
-    def all_reduce(self, tensor, op, group):
-        self.calls += 1
-        dist.all_reduce(tensor, comm.ops.TO_REDUCE_OP[op], group=group)
+# -- algo="auto": decided once per group and device type ------------------------------
 
 
-def auto_selection(world) -> tuple[int, bool]:
-    picky = Picky()
-    # Other claimants (e.g. "shm") would be asked first; set them aside for this test.
-    others = {n: comm.get_algorithm(n) for n in comm.algorithms()
-              if hasattr(comm.get_algorithm(n), "supports")}
-    for name in others:
-        comm.unregister_algorithm(name)
-    comm.register_algorithm("picky", picky, replace=True)
+@pytest.mark.parametrize(("device_type", "same_host", "world_size", "extra", "want"), [
+    ("cpu", True, 2, {}, "shm"),
+    ("cpu", True, 4, {}, "shm"),
+    ("cpu", False, 4, {"max_local": 2}, "hierarchical"),
+    ("cpu", False, 4, {"max_local": 1}, "backend"),  # one rank per host: nothing to share
+    ("cpu", True, 1, {}, "backend"),  # nothing to move
+    ("cpu", True, 2, {"shm_ok": False}, "backend"),  # no usable /dev/shm on some rank
+    ("cuda", True, 2, {}, "backend"),  # NCCL
+    ("cuda", False, 8, {"max_local": 4}, "backend"),
+    ("mps", True, 2, {}, "backend"),
+    ("meta", True, 2, {}, "backend"),
+])
+def test_choose_algo(device_type, same_host, world_size, extra, want):
+    from ddpkit.comm.auto import choose_algo
+
+    assert choose_algo(device_type, same_host, world_size, **extra) == want
+
+
+class FakeTensor:
+    """Only a device: the dispatch looks at nothing else (a CUDA tensor without a GPU)."""
+
+    def __init__(self, device: str):
+        self.device = torch.device(device)
+
+
+def auto_dispatch(world) -> dict:
+    from ddpkit.comm import auto, registry
+
+    auto.forget()
+    out = {}
+    for device in ("cuda:0", "cuda:1", "cpu", "mps"):
+        name, impl = registry.resolve("auto", FakeTensor(device), None)
+        out[device] = (name, type(impl).__name__)
+    out["algo_for(cuda string)"] = auto.algo_for(None, "cuda")
+    out["algo_for(cpu tensor)"] = auto.algo_for(None, torch.ones(1))
+    return out
+
+
+def test_auto_dispatch_cuda_to_backend_cpu_to_shm(pools):
+    for result in pools(2).run(auto_dispatch):
+        assert result["cuda:0"] == ("backend", "BackendAlgorithm")
+        assert result["cuda:1"] == ("backend", "BackendAlgorithm")
+        assert result["mps"] == ("backend", "BackendAlgorithm")
+        assert result["cpu"] == ("shm", "ShmAlgorithm")
+        assert result["algo_for(cuda string)"] == "backend"
+        assert result["algo_for(cpu tensor)"] == "shm"
+
+
+def fake_hosts_dispatch(world, per_host: int) -> tuple[str, str]:
+    import os
+
+    from ddpkit.comm import auto
+
+    before = os.environ.get("DDPKIT_HOST_ID")
+    os.environ["DDPKIT_HOST_ID"] = f"fake-host-{world.rank // per_host}"
+    auto.forget()
     try:
-        a = torch.ones(16)
-        b = torch.ones(16, dtype=torch.float64)
-        comm.all_reduce(a, algo="auto")  # picky claims it
-        comm.all_reduce(b, algo="auto")  # nobody claims float64: backend
-        ok = torch.equal(a, torch.full((16,), float(world.world_size)))
-        ok = ok and torch.equal(b, torch.full((16,), float(world.world_size), dtype=b.dtype))
-        return picky.calls, ok
+        return auto.algo_for(None, "cpu"), auto.algo_for(None, "cuda")
     finally:
-        comm.unregister_algorithm("picky")
-        for name, impl in others.items():
-            comm.register_algorithm(name, impl)
+        auto.forget()
+        if before is None:
+            del os.environ["DDPKIT_HOST_ID"]
+        else:
+            os.environ["DDPKIT_HOST_ID"] = before
 
 
-def test_auto_asks_supports_then_falls_back_to_backend(pools):
-    assert pools(2).run(auto_selection) == [(1, True), (1, True)]
+def test_auto_across_fake_hosts_is_hierarchical_or_backend(pools):
+    assert pools(4).run(fake_hosts_dispatch, 2) == [("hierarchical", "backend")] * 4
+    assert pools(2).run(fake_hosts_dispatch, 1) == [("backend", "backend")] * 2
+
+
+def steady_state_backend_calls(world) -> dict:
+    """One single-host CPU training step's collectives with no arguments but tensors,
+    after a warm-up: count every torch.distributed call they make."""
+    from unittest import mock
+
+    from ddpkit.comm import agreement
+
+    p, r = world.world_size, world.rank
+
+    def step() -> list[torch.Tensor]:
+        bucket = torch.arange(3000.0) * (r + 1)  # gradient bucket reduction
+        comm.all_reduce(bucket, op="avg")
+        buffers = torch.full((7,), float(r))  # buffer broadcast
+        comm.broadcast(buffers, src=0)
+        stop = torch.tensor([int(r == 1)], dtype=torch.int32)  # per-step stop/save agreement
+        comm.all_reduce(stop, op="max")
+        metric = torch.tensor([float(r)])  # metric reduction
+        comm.reduce(metric, dst=0)
+        shards = torch.empty(4)
+        comm.reduce_scatter(shards, torch.ones(4 * p))
+        gathered = torch.empty(2 * p)
+        comm.all_gather(gathered, torch.full((2,), float(r)))
+        comm.barrier()
+        return [bucket, buffers, stop, metric, shards, gathered]
+
+    step()  # warm-up: the host exchange and the segment set-up happen here
+    calls: dict[str, int] = {}
+    patches = []
+    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_object", "barrier",
+                 "reduce", "isend", "irecv", "send", "recv", "all_gather_into_tensor",
+                 "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single"):
+        real = getattr(dist, name, None)
+        if real is None:
+            continue
+
+        def counted(*args, _name=name, _real=real, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _real(*args, **kwargs)
+
+        patches.append(mock.patch.object(dist, name, counted))
+    real_agree = agreement.agree_all_gather
+
+    def counted_agree(*args, **kwargs):
+        calls["agreement"] = calls.get("agreement", 0) + 1
+        return real_agree(*args, **kwargs)
+
+    patches.append(mock.patch.object(agreement, "agree_all_gather", counted_agree))
+    for patch in patches:
+        patch.start()
+    try:
+        out = step()
+    finally:
+        for patch in patches:
+            patch.stop()
+    want = [
+        torch.arange(3000.0) * sum(range(1, p + 1)) / p,
+        torch.zeros(7),
+        torch.tensor([1], dtype=torch.int32),
+        torch.tensor([float(sum(range(p)))]) if r == 0 else torch.tensor([float(r)]),
+        torch.full((4,), float(p)),
+        torch.arange(p).repeat_interleave(2).float(),
+    ]
+    return {"calls": calls, "ok": [torch.equal(a, b) for a, b in zip(out, want)]}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_single_host_cpu_step_makes_no_backend_call(pools, world_size):
+    for result in pools(world_size).run(steady_state_backend_calls):
+        assert result["ok"] == [True] * 6
+        assert result["calls"] == {}
+
+
+def explicit_backend_still_agrees(world) -> int:
+    from unittest import mock
+
+    from ddpkit.comm import agreement
+
+    real = agreement.agree_all_gather
+    seen = []
+
+    def counted(*args, **kwargs):
+        seen.append(1)
+        return real(*args, **kwargs)
+
+    with mock.patch.object(agreement, "agree_all_gather", counted):
+        comm.all_reduce(torch.ones(4), algo="backend")
+        comm.all_reduce(torch.ones(4), algo="ring")
+        comm.all_reduce(torch.ones(4), algo="backend", check=False)
+    return len(seen)
+
+
+def test_algorithms_without_an_in_band_channel_keep_the_agreement_all_gather(pools):
+    # the test that proves counting works: the same patch sees the backend path's calls
+    assert pools(2).run(explicit_backend_still_agrees) == [2, 2]

@@ -8,7 +8,14 @@ torch's arguments plus ``algo=``: "ring" (our segmented ring on point-to-point),
 """
 
 from ddpkit.comm.backend import BackendAlgorithm
-from ddpkit.comm.collectives import all_gather, all_reduce, broadcast, reduce, reduce_scatter
+from ddpkit.comm.collectives import (
+    all_gather,
+    all_reduce,
+    barrier,
+    broadcast,
+    reduce,
+    reduce_scatter,
+)
 from ddpkit.comm.lanes import CommHandle, close_lanes, new_group
 from ddpkit.comm.ops import OPS
 from ddpkit.comm.registry import (
@@ -27,6 +34,7 @@ __all__ = [
     "algorithms",
     "all_gather",
     "all_reduce",
+    "barrier",
     "broadcast",
     "close_lanes",
     "get_algorithm",

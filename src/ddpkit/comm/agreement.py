@@ -24,7 +24,7 @@ import torch
 from ddpkit.comm.backend import agree_all_gather
 from ddpkit.errors import CommError
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier")
 
 
 def code(text: str) -> int:

@@ -48,6 +48,9 @@ class BackendAlgorithm:
     ):
         return dist.reduce(tensor, dst, self._op(op), group=group, async_op=async_op)
 
+    def barrier(self, group=None, async_op: bool = False):
+        return dist.barrier(group=group, async_op=async_op)
+
 
 def agree_all_gather(output: torch.Tensor, input: torch.Tensor, group) -> None:
     """The flat all-gather the agreement check uses (sync, on ``group``)."""

@@ -55,7 +55,7 @@ def _require_tensor(value, what: str) -> None:
 
 
 class _Call:
-    """One collective call on its way through validate -> agree -> run -> finish."""
+    """One collective call on its way through validate -> resolve -> agree -> run -> finish."""
 
     def __init__(self, collective: str, algo: str, group, async_op: bool, check: bool):
         self.collective = collective
@@ -66,6 +66,10 @@ class _Call:
         self.problem: CommError | None = None
         self.view = groups.view(group)
         self.sig = CallSignature(collective, str(algo), "-", "?", -1, -1, -1, False)
+        self.name: str | None = None
+        self.impl = None
+        self.method = None
+        self.in_band = False  # set per run by agree(): the algorithm checks the call itself
 
     @property
     def member(self) -> bool:
@@ -78,27 +82,66 @@ class _Call:
                 fn()
             except CommError as err:
                 self.problem = err
-                self.sig = replace(self.sig, problem=True)
+        if self.problem is not None and not self.sig.problem:
+            self.sig = replace(self.sig, problem=True)
 
-    def resolve(self, tensor: torch.Tensor) -> None:
-        def pick() -> None:
-            name, impl = registry.resolve(self.algo_arg, tensor, self.group)
-            self.name, self.impl = name, impl
-            self.sig = replace(self.sig, algo=name)
-            self.method = registry.method(impl, name, self.collective)
-
-        self.validate(pick)
+    def resolve(self, device: torch.device, fallback: Callable | None = None) -> None:
+        """Pick the algorithm. Runs even after a local refusal: which engine a call lands
+        in depends only on the algo argument, the group and the device type, so a rank
+        that refuses still meets its peers there and refuses in-band."""
+        try:
+            self.name, self.impl = registry.resolve(self.algo_arg, _DeviceOnly(device),
+                                                    self.group)
+        except CommError as err:
+            if self.problem is None:
+                self.problem = err
+            self.validate(lambda: None)  # marks the signature
+            return
+        name, impl = self.name, self.impl
+        self.name, self.impl = name, impl
+        self.sig = replace(self.sig, algo=name)
+        if fallback is not None and not callable(getattr(impl, self.collective, None)):
+            self.method = lambda *args, signature=None: fallback(impl, *args)
+            return
+        self.validate(lambda: setattr(self, "method", registry.method(
+            impl, name, self.collective)))
 
     def agree(self, group, device: torch.device) -> None:
+        """The call's agreement: in-band where the algorithm carries it (nothing to do
+        here unless this rank refused), else the agreement all-gather (``check=True``)."""
+        probe = getattr(self.impl, "in_band", None)
+        self.in_band = probe is not None and bool(probe(group))
+        if self.in_band:
+            if self.problem is not None:
+                self.impl.refuse(self.sig, group)
+                raise self.problem
+            return
         if self.check:
             agreement.agree(
                 self.sig, group, self.view.size, device,
                 known_algos=("auto", *registry.algorithms()),
                 known_ops=(*ops.OPS, "-"),
-                known_dtypes=_KNOWN_DTYPES,
+                known_dtypes=(*_KNOWN_DTYPES, "-"),
             )
         if self.problem is not None:
             raise self.problem
+
+    def invoke(self, *args) -> None:
+        """Run the algorithm's method; in-band algorithms get the signature to check."""
+        if self.in_band:
+            self.method(*args, signature=self.sig)
+        else:
+            self.method(*args)
+
+    def op(self, name: str) -> str:
+        """The op handed to the algorithm: in-band ones take "avg" and divide in their
+        own pass; others get a sum the caller divides (finishing with :meth:`divides`)."""
+        if name == "avg" and not self.in_band:
+            return "sum"
+        return name
+
+    def divides(self, name: str) -> bool:
+        return name == "avg" and not self.in_band
 
     def run(
         self, device: torch.device, body: Callable[[object], None],
@@ -107,17 +150,19 @@ class _Call:
     ) -> Result:
         """Agree, then run ``body(group)`` and ``finish()``; in the background when asked.
 
-        Which group the agreement runs on depends only on the ``algo`` argument, never
-        on whether local validation passed, so ranks cannot split up and wait forever.
+        Where the agreement happens depends only on the algorithm the call resolved to
+        (the algo argument, the group and the device type), never on whether local
+        validation passed, so ranks cannot split up and wait forever.
         """
-        if self.problem is not None and not self.check:
+        if self.problem is not None and not self.check and getattr(
+                self.impl, "in_band", None) is None:
             raise self.problem
         if not self.async_op:
             self.agree(self.group, device)
             body(self.group)
             finish()
             return None
-        if self.algo_arg == "backend":
+        if self.name == "backend" or (self.name is None and self.algo_arg == "backend"):
             # torch's own async work; the (small, blocking) agreement runs first.
             self.agree(self.group, device)
             work = backend_async()
@@ -138,6 +183,13 @@ class _Call:
         if self.problem is not None:
             raise self.problem  # peers get their error from their futures
         return CommHandle(fut)
+
+
+class _DeviceOnly:
+    """What "auto" may look at: the device, never the dtype, size or values."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
 
 
 def _not_member(async_op: bool) -> Result:
@@ -165,7 +217,7 @@ def _avg_divisor(op: str, size: int) -> int:
 def all_reduce(
     tensor: torch.Tensor,
     op: Op = "sum",
-    algo: str = "ring",
+    algo: str = "auto",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     *,
@@ -186,23 +238,22 @@ def all_reduce(
         numel_out=tensor.numel(),
     )
     name = _check_op(call, op, tensor.dtype)
-    call.resolve(tensor)
+    call.resolve(tensor.device)
     size = call.view.size
     flat, restore = _as_flat(tensor)
-    wire_op = "sum" if name == "avg" else name
 
     def body(group) -> None:
         if size > 1 and flat.numel() > 0:
-            call.method(flat, wire_op, group)
+            call.invoke(flat, call.op(name), group)
 
     def finish() -> torch.Tensor:
-        if name == "avg":
+        if call.divides(name):
             flat.div_(size)
         restore()
         return tensor
 
     def backend_async():
-        return call.impl.all_reduce(flat, wire_op, group, async_op=True)
+        return call.impl.all_reduce(flat, call.op(name), group, async_op=True)
 
     return call.run(tensor.device, body, backend_async, finish)
 
@@ -211,7 +262,7 @@ def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
     op: Op = "sum",
-    algo: str = "ring",
+    algo: str = "auto",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     *,
@@ -231,25 +282,24 @@ def reduce_scatter(
     )
     name = _check_op(call, op, input.dtype)
     call.validate(lambda: _check_blocks("reduce_scatter", input, output, size, "input", "output"))
-    call.resolve(input)
+    call.resolve(input.device)
     flat_in, _ = _as_flat(input)
     flat_out, restore = _as_flat(output)
-    wire_op = "sum" if name == "avg" else name
 
     def body(group) -> None:
         if size == 1:
             flat_out.copy_(flat_in)
         elif flat_out.numel() > 0:
-            call.method(flat_out, flat_in, wire_op, group)
+            call.invoke(flat_out, flat_in, call.op(name), group)
 
     def finish() -> torch.Tensor:
-        if name == "avg":
+        if call.divides(name):
             flat_out.div_(size)
         restore()
         return output
 
     def backend_async():
-        return call.impl.reduce_scatter(flat_out, flat_in, wire_op, group, async_op=True)
+        return call.impl.reduce_scatter(flat_out, flat_in, call.op(name), group, async_op=True)
 
     return call.run(input.device, body, backend_async, finish)
 
@@ -257,7 +307,7 @@ def reduce_scatter(
 def all_gather(
     output: torch.Tensor,
     input: torch.Tensor,
-    algo: str = "ring",
+    algo: str = "auto",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     *,
@@ -277,7 +327,7 @@ def all_gather(
     )
     call.validate(lambda: ops.check_dtype(input.dtype))
     call.validate(lambda: _check_blocks("all_gather", output, input, size, "output", "input"))
-    call.resolve(input)
+    call.resolve(input.device)
     flat_in, _ = _as_flat(input)
     flat_out, restore = _as_flat(output)
 
@@ -285,7 +335,7 @@ def all_gather(
         if size == 1:
             flat_out.copy_(flat_in)
         elif flat_out.numel() > 0:
-            call.method(flat_out, flat_in, group)
+            call.invoke(flat_out, flat_in, group)
 
     def finish() -> torch.Tensor:
         restore()
@@ -300,7 +350,7 @@ def all_gather(
 def broadcast(
     tensor: torch.Tensor,
     src: int,
-    algo: str = "ring",
+    algo: str = "auto",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     *,
@@ -317,12 +367,12 @@ def broadcast(
     )
     call.validate(lambda: ops.check_dtype(tensor.dtype))
     call.validate(lambda: _check_root(call.view, src, "src"))
-    call.resolve(tensor)
+    call.resolve(tensor.device)
     flat, restore = _as_flat(tensor)
 
     def body(group) -> None:
         if call.view.size > 1 and flat.numel() > 0:
-            call.method(flat, src, group)
+            call.invoke(flat, src, group)
 
     def finish() -> torch.Tensor:
         restore()
@@ -338,7 +388,7 @@ def reduce(
     tensor: torch.Tensor,
     dst: int,
     op: Op = "sum",
-    algo: str = "ring",
+    algo: str = "auto",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     *,
@@ -355,27 +405,70 @@ def reduce(
     )
     name = _check_op(call, op, tensor.dtype)
     call.validate(lambda: _check_root(call.view, dst, "dst"))
-    call.resolve(tensor)
+    call.resolve(tensor.device)
     size = call.view.size
     flat, restore = _as_flat(tensor)
-    wire_op = "sum" if name == "avg" else name
     is_dst = call.problem is None and call.view.global_rank(call.view.rank) == dst
 
     def body(group) -> None:
         if size > 1 and flat.numel() > 0:
-            call.method(flat, dst, wire_op, group)
+            call.invoke(flat, dst, call.op(name), group)
 
     def finish() -> torch.Tensor:
         if is_dst:
-            if name == "avg":
+            if call.divides(name):
                 flat.div_(size)
             restore()
         return tensor
 
     def backend_async():
-        return call.impl.reduce(flat, dst, wire_op, group, async_op=True)
+        return call.impl.reduce(flat, dst, call.op(name), group, async_op=True)
 
     return call.run(tensor.device, body, backend_async, finish)
+
+
+def barrier(
+    group: dist.ProcessGroup | None = None,
+    algo: str = "auto",
+    async_op: bool = False,
+    *,
+    check: bool = True,
+) -> Result:
+    """Wait until every rank of the group has called ``barrier`` (torch's ``dist.barrier``).
+
+    With "auto" on one host this is one shared-memory barrier (no backend call); an
+    algorithm without a barrier of its own all-reduces one element instead.
+    """
+    call = _Call("barrier", algo, group, async_op, check)
+    if not call.member:
+        return _not_member(async_op)
+    call.sig = replace(call.sig, dtype="-", numel_in=0, numel_out=0)
+    device = _group_device(group)
+    call.resolve(device, fallback=_token_barrier(device))
+    def body(group) -> None:
+        if call.view.size > 1:
+            call.invoke(group)
+
+    def finish() -> None:
+        return None
+
+    def backend_async():
+        return call.impl.barrier(group, async_op=True)
+
+    return call.run(device, body, backend_async, finish)
+
+
+def _token_barrier(device: torch.device) -> Callable:
+    """A barrier for algorithms without one: all-reduce one element."""
+    def run(impl, group) -> None:
+        impl.all_reduce(torch.zeros(1, dtype=torch.int32, device=device), "sum", group)
+    return run
+
+
+def _group_device(group) -> torch.device:
+    """The device a backend's collectives run on: CUDA for NCCL, else the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    return torch.device("cuda" if backend == "nccl" else "cpu")
 
 
 def _root_code(root) -> int:

@@ -3,23 +3,30 @@
 An algorithm is any object with ``all_reduce(tensor, op, group)``; it may also provide
 ``reduce_scatter(output, input, op, group)``, ``all_gather(output, input, group)``,
 ``broadcast(tensor, src, group)``, ``reduce(tensor, dst, op, group)`` and
-``supports(tensor, group) -> bool`` (which makes it a candidate for ``algo="auto"``).
-Callers give it 1-D contiguous tensors, ``op`` is never "avg" (the caller sums and
-divides), ``src``/``dst`` are global ranks, and the group has at least two ranks.
+``barrier(group)``. Callers give it 1-D contiguous tensors, ``op`` is never "avg" (the
+caller sums and divides), ``src``/``dst`` are global ranks, and the group has at least
+two ranks.
+
+An algorithm that checks calls in-band provides ``in_band(group) -> bool`` and
+``refuse(signature, group)``: where ``in_band`` is True the public layer skips its
+agreement all-gather, passes ``signature=`` (the call's
+:class:`~ddpkit.comm.agreement.CallSignature`) to every method, may pass op "avg" (the
+algorithm divides), and on a local refusal calls ``refuse`` so that the peers raise at
+the call's own synchronisation.
+
+``algo="auto"`` is not a registered algorithm: :func:`ddpkit.comm.auto.algo_for` picks
+"shm", "hierarchical" or "backend" once per group and device type.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ddpkit.comm import auto
 from ddpkit.comm.backend import BackendAlgorithm
 from ddpkit.comm.ring import RingAlgorithm
-from ddpkit.comm.shm import allreduce as shm_allreduce
+from ddpkit.comm.shm.allreduce import ShmAlgorithm
 from ddpkit.errors import CommError
-
-# "auto" asks these first (shared memory beats the network whenever it applies), then
-# every other algorithm with a supports() in registration order, then falls back to backend.
-_AUTO_FIRST = ("shm",)
 
 _algorithms: dict[str, object] = {}
 
@@ -53,16 +60,10 @@ def get_algorithm(name: str) -> object:
 
 
 def resolve(algo: str, tensor: torch.Tensor, group) -> tuple[str, object]:
-    """(name, impl) for ``algo``; "auto" picks the first willing specialised algorithm."""
-    if algo != "auto":
-        return algo, get_algorithm(algo)
-    order = [n for n in _AUTO_FIRST if n in _algorithms]
-    order += [n for n in _algorithms if n not in order]
-    for name in order:
-        supports = getattr(_algorithms[name], "supports", None)
-        if supports is not None and supports(tensor, group):
-            return name, _algorithms[name]
-    return "backend", _algorithms["backend"]
+    """(name, impl) for ``algo``; "auto" is decided once per group and device type."""
+    if algo == "auto":
+        algo = auto.algo_for(group, tensor.device)
+    return algo, get_algorithm(algo)
 
 
 def method(impl: object, name: str, collective: str):
@@ -79,6 +80,9 @@ register_algorithm("ring", RingAlgorithm())
 # The tutorial's ring: one message per chunk, nothing overlapped. Kept to show what
 # segmenting buys (see `ddpkit bench collectives --algo naive_ring,ring,backend`).
 register_algorithm("naive_ring", RingAlgorithm(None, min_segments=1, in_flight=1))
-# Same-host shared memory; its supports() declines where /dev/shm or the memory model
-# does not allow it, so registering it everywhere is safe.
-register_algorithm("shm", shm_allreduce)
+# Same-host shared memory, and the same engine across hosts (shm inside each host, the
+# backend between host leaders). Where shared memory cannot be set up every rank falls
+# back to the backend together, so registering them everywhere is safe.
+_shm = ShmAlgorithm()
+register_algorithm("shm", _shm)
+register_algorithm("hierarchical", _shm)

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import groups, ops
+from ddpkit.comm.backend import BackendAlgorithm
 from ddpkit.comm.shm import segment
 from ddpkit.comm.shm.sync import META_WORDS, Control, block_bytes, memory_model_ok
 from ddpkit.errors import CommError
@@ -158,7 +159,7 @@ class ShmCommunicator:
              for r in range(self.local_size)]
             for parity in (0, 1)
         ]
-        self._small_calls = 0
+        self._calls = 0  # every call on this communicator, in step on every rank
         self._small_views: dict = {}  # (parity, numel, dtype) -> per-rank views
         self._codes: dict = {}
         slots_at = ctl_bytes + small_bytes
@@ -168,7 +169,7 @@ class ShmCommunicator:
         ]
         half = self.slot_bytes // 2
         self._halves = [[s[p * half:(p + 1) * half] for s in self._slots] for p in (0, 1)]
-        self._pieces = 0
+        self._pieces = 0  # slot-half rotation (reset on every rank after a refused call)
         self.control.barrier()
         # Ranks in separate pid namespaces (containers sharing /dev/shm) cannot see
         # each other's pids; then only the timeout can tell a dead peer.
@@ -282,32 +283,131 @@ class ShmCommunicator:
         if self._closed:
             raise CommError("this ShmCommunicator is closed; create a new one")
 
+    # ------------------------------------------------------------------ call signatures
+
+    def _next_call(self) -> int:
+        """This call's parity: its meta slot and small area. Consecutive calls alternate,
+        since a peer may still read the previous call's after the barrier we passed."""
+        parity = self._calls % 2
+        self._calls += 1
+        return parity
+
+    def _next_half(self) -> int:
+        parity = self._pieces % 2
+        self._pieces += 1
+        return parity
+
+    def _code(self, collective: str, op, dtype: torch.dtype, root: int = -1) -> tuple[str, int]:
+        """(op name, signature word) for a well-formed call; validated once per combination."""
+        key = (collective, op, dtype, root)
+        try:
+            return self._codes[key]
+        except (KeyError, TypeError):
+            if collective in ("broadcast", "all_gather", "barrier"):
+                name = "-"
+                if collective != "barrier":
+                    ops.check_dtype(dtype)
+            else:
+                name = ops.op_name(op)
+                ops.check_op(name, dtype)
+            found = (name, signature_word(collective, _dtype_name(dtype), name, root))
+            with contextlib.suppress(TypeError):  # an unhashable op object: not cached
+                self._codes[key] = found
+            return found
+
+    def _arrive_checked(self, meta: tuple[int, ...], parity: int) -> bool:
+        """Barrier that also proves every local rank made the same call (collective,
+        size, dtype, op, root) and none refused it: anything else raises the same
+        CommError on every rank instead of corrupting memory or hanging. Returns whether
+        all ranks' tensors are at the same place of the same allocation."""
+        self.control.publish_meta(meta, parity)
+        self.control.barrier()
+        same_place = meta[2] >= 0
+        for peer in self.control.peers:
+            theirs = self.control.meta(peer, len(meta), parity)
+            if theirs[:2] != meta[:2] or meta[1] & 1:
+                self._disagreed(meta, parity)
+            same_place = same_place and theirs[2:] == meta[2:]
+        return same_place
+
+    def _disagreed(self, meta: tuple[int, ...], parity: int) -> None:
+        """Every rank lands here at the same barrier; raise the message all of them build
+        from the same published words (a refusing rank returns to raise its own)."""
+        self._pieces = 0  # nobody read a slot this call: every rank restarts the rotation
+        rows = [self.control.meta(r, len(meta), parity) for r in range(self.local_size)]
+        if meta[1] & 1:
+            return
+        described = [describe_call(row[0], row[1]) for row in rows]
+        collective = described[self.me][0]
+        refused = [self.control.labels[r] for r, row in enumerate(rows) if row[1] & 1]
+        if refused:
+            raise CommError(
+                f"{collective}: {', '.join(refused)} refused the call (see their error); "
+                "every rank of the group must pass arguments the call accepts")
+        lines = "; ".join(f"{self.control.labels[r]}: {text}"
+                          for r, (_, text) in enumerate(described))
+        raise CommError(
+            f"{collective} arguments differ across ranks ({lines}); every rank of the group "
+            "must make the same call with the same size, dtype, op and root")
+
+    def refuse(self, signature: int, numel: int = 0) -> None:
+        """Take part in a call this rank refused locally: peers learn it at the call's own
+        barrier and raise; the caller then raises its own, more specific, error."""
+        self._check_open()
+        self._single_host("refuse")
+        parity = self._next_call()
+        self._arrive_checked((max(numel, 0), signature | 1, -1, -1), parity)
+
+    def _single_host(self, what: str) -> None:
+        if self.nhosts > 1:
+            raise CommError(f"shm {what} runs on one host; this group spans {self.nhosts} "
+                            "(use algo='hierarchical' or 'backend')")
+
+    @staticmethod
+    def _flat(tensor: torch.Tensor, what: str = "tensor") -> torch.Tensor:
+        if tensor.device.type != "cpu":
+            raise CommError(f"shm collectives need CPU tensors, got {what} on {tensor.device}")
+        if not tensor.is_contiguous():
+            return tensor.contiguous().view(-1)
+        return tensor if tensor.dim() == 1 else tensor.view(-1)
+
+    def _local_of(self, global_rank: int, what: str) -> int:
+        return self.local.index(self.view.group_rank_of(global_rank, what))
+
+    def _area(self, parity: int, rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """``count`` elements of ``rank``'s slot half ``parity``."""
+        size = torch.empty((), dtype=dtype).element_size()
+        return self._halves[parity][rank][: count * size].view(dtype)
+
     # ------------------------------------------------------------------ all-reduce
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", *, divisor: int | None = None
+        self, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", *, divisor: int | None = None,
+        signature: int | None = None,
     ) -> torch.Tensor:
         """Reduce ``tensor`` in place across the group; returns it.
 
         ``divisor`` divides a sum by a count of your choice (DataParallel's join divides
         by the ranks still training); "avg" is a sum with ``divisor`` = group size. On one
         host the division happens inside the reduction pass, not as another pass.
+        ``signature`` replaces the call's own signature word in the in-band check (the
+        public layer's: it names the collective the user called, e.g. "reduce").
         """
         self._check_open()
-        name, code = self._checked(op, tensor.dtype)
+        name, code = self._code("all_reduce", op, tensor.dtype)
         if tensor.device.type != "cpu":
             raise CommError(f"shm all_reduce needs a CPU tensor, got one on {tensor.device}")
+        if signature is not None:
+            code = signature
         if name == "avg" and divisor is None:
             divisor = self.view.size
         if divisor is not None and (name not in ("sum", "avg") or not tensor.is_floating_point()):
             raise CommError(f"divisor= needs op 'sum' or 'avg' on a floating tensor, got {name!r} "
                             f"on {tensor.dtype}")
-        if not tensor.is_contiguous():
-            flat = tensor.contiguous().view(-1)
-        else:
-            flat = tensor if tensor.dim() == 1 else tensor.view(-1)
+        flat = self._flat(tensor)
         local_op = "sum" if name == "avg" else name
         in_pass = divisor if self.nhosts == 1 and divisor != 1 else None
+        parity = self._next_call()
         # Which path runs must be decided identically on every rank, from what all of
         # them see: a rank may hold a private tensor where its peers hold an allocated
         # one (a joined rank's stand-in gradients, say). Small messages take the small
@@ -315,11 +415,11 @@ class ShmCommunicator:
         # rank's tensor sits at the same place of the same allocation.
         if flat.numel() * flat.element_size() <= SMALL_BYTES:
             where = None
-            self._reduce_small(flat, local_op, in_pass, (flat.numel(), code, -1, -1))
+            self._reduce_small(flat, local_op, in_pass, (flat.numel(), code, -1, -1), parity)
         else:
             where = self._find(flat)
             meta = (flat.numel(), code, -1, -1) if where is None else (flat.numel(), code, *where)
-            if not self._arrive_checked(meta):
+            if not self._arrive_checked(meta, parity):
                 where = None
             if where is None:
                 self._reduce_through_slots(flat, local_op, in_pass)
@@ -334,18 +434,6 @@ class ShmCommunicator:
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
-
-    def _checked(self, op, dtype: torch.dtype) -> tuple[str, int]:
-        """(op name, dtype/op code); validated once per combination (calls are hot)."""
-        try:
-            return self._codes[(op, dtype)]
-        except (KeyError, TypeError):
-            name = ops.op_name(op)
-            ops.check_op(name, dtype)
-            found = (name, ops.DTYPES.index(dtype) * 16 + ops.OPS.index(name))
-            with contextlib.suppress(TypeError):  # an unhashable op object: not cached
-                self._codes[(op, dtype)] = found
-            return found
 
     def _find(self, flat: torch.Tensor) -> tuple[int, int] | None:
         """(allocation number, byte offset) when ``flat`` lies in memory we allocated."""
@@ -362,37 +450,10 @@ class ShmCommunicator:
         assert regions is not None  # the caller holds a tensor in it
         return regions
 
-    def _arrive_checked(self, meta: tuple[int, ...], slot: int = 2) -> bool:
-        """Barrier that also proves every local rank called with the same size, dtype
-        and op (a mismatch raises on every rank instead of corrupting memory). Returns
-        whether all ranks' tensors are at the same place of the same allocation."""
-        self.control.publish_meta(meta, slot)
-        self.control.barrier()
-        same_place = meta[2] >= 0
-        for peer in self.control.peers:
-            theirs = self.control.meta(peer, len(meta), slot)
-            if theirs[:2] != meta[:2]:
-                raise CommError(
-                    f"ranks called shm all_reduce differently: {self._describe(meta)} here, "
-                    f"{self._describe(theirs)} on {self.control.labels[peer]}"
-                )
-            same_place = same_place and theirs[2:] == meta[2:]
-        return same_place
-
-    @staticmethod
-    def _describe(meta: tuple[int, ...]) -> str:
-        numel, code = meta[:2]
-        dtype, op = divmod(code, 16)
-        if not 0 <= dtype < len(ops.DTYPES) or not 0 <= op < len(ops.OPS):
-            return f"{numel} elements (unknown dtype/op code {code})"
-        return f"{numel} x {str(ops.DTYPES[dtype]).removeprefix('torch.')} {ops.OPS[op]!r}"
-
-    def _reduce_small(self, flat, op, divisor, meta) -> None:
+    def _reduce_small(self, flat, op, divisor, meta, parity) -> None:
         """One barrier: publish, then every rank reduces everything itself, in the same
         rank order (so results agree bit for bit). The area used alternates between
         calls: a peer may still be reading this call's data while we start the next."""
-        parity = self._small_calls % 2
-        self._small_calls += 1
         key = (parity, flat.numel(), flat.dtype)
         areas = self._small_views.get(key)
         if areas is None:
@@ -429,8 +490,7 @@ class ShmCommunicator:
         kernel = ops.kernel(op)
         for start in range(0, max(numel, 1), step):
             count = min(numel - start, step)
-            parity = self._pieces % 2
-            self._pieces += 1
+            parity = self._next_half()
             slots = [h[: count * itemsize].view(flat.dtype) for h in self._halves[parity]]
             mine, piece = slots[self.me], flat[start:start + count]
             bounds = _chunk_bounds(count, itemsize, self.local_size)
@@ -491,8 +551,174 @@ class ShmCommunicator:
                 flat[start:start + count].copy_(source)
             self.control.barrier()
 
+    # ------------------------------------------------------------------ the other collectives
+    # One host only (the registry face sends a multi-host group's other collectives to
+    # the backend). Each call's first barrier carries its signature, as all_reduce's does;
+    # data moves through the slot halves in pieces, the halves alternating as above.
 
-assert META_WORDS >= 3 * 4  # three meta slots of (numel, dtype/op, buffer, offset)
+    def barrier(self, *, signature: int | None = None) -> None:
+        """Wait until every rank of the group has arrived (one shared-memory barrier)."""
+        self._check_open()
+        code = signature if signature is not None else self._code("barrier", "-", None)[1]
+        parity = self._next_call()
+        self._arrive_checked((0, code, -1, -1), parity)
+        if self.nhosts > 1:
+            if self.leaders is not None:
+                dist.barrier(group=self.leaders)
+            self.control.barrier()
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, signature: int | None = None
+                  ) -> torch.Tensor:
+        """Copy ``tensor`` from global rank ``src`` to every rank, in place; returns it."""
+        self._check_open()
+        self._single_host("broadcast")
+        root = self._local_of(src, "src")
+        code = signature if signature is not None else self._code(
+            "broadcast", "-", tensor.dtype, src)[1]
+        flat = self._flat(tensor)
+        numel, dtype = flat.numel(), flat.dtype
+        step = len(self._halves[0][0]) // flat.element_size()
+        parity, sender = self._next_call(), self.me == root
+        for start in range(0, max(numel, 1), step):
+            count = min(numel - start, step)
+            half = self._next_half()
+            if sender:
+                self._area(half, self.me, count, dtype).copy_(flat[start:start + count])
+            if start == 0:
+                self._arrive_checked((numel, code, -1, -1), parity)
+            else:
+                self.control.barrier()
+            if not sender:
+                flat[start:start + count].copy_(self._area(half, root, count, dtype))
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+        return tensor
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
+                   signature: int | None = None) -> torch.Tensor:
+        """Concatenate every rank's ``input`` into ``output`` in group-rank order."""
+        self._check_open()
+        self._single_host("all_gather")
+        code = signature if signature is not None else self._code(
+            "all_gather", "-", input.dtype)[1]
+        src, out = self._flat(input, "input"), self._flat(output, "output")
+        m, dtype = src.numel(), src.dtype
+        if out.numel() != m * self.local_size or out.dtype != dtype:
+            raise CommError(f"all_gather: output must hold {self.local_size} x {m} {dtype} "
+                            f"elements, got {out.numel()} {out.dtype}")
+        step = len(self._halves[0][0]) // src.element_size()
+        parity = self._next_call()
+        for start in range(0, max(m, 1), step):
+            count = min(m - start, step)
+            half = self._next_half()
+            self._area(half, self.me, count, dtype).copy_(src[start:start + count])
+            if start == 0:
+                self._arrive_checked((m, code, -1, -1), parity)
+            else:
+                self.control.barrier()
+            for r in range(self.local_size):
+                block = out[r * m + start: r * m + start + count]
+                block.copy_(src[start:start + count] if r == self.me
+                            else self._area(half, r, count, dtype))
+        if out.data_ptr() != output.data_ptr():
+            output.copy_(out.view_as(output))
+        return output
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                       op: str | dist.ReduceOp = "sum", *, signature: int | None = None
+                       ) -> torch.Tensor:
+        """Reduce ``input`` (group size x ``output.numel()``) across ranks; rank i gets
+        block i of the result in ``output``. Each rank reduces only its own block."""
+        self._check_open()
+        self._single_host("reduce_scatter")
+        name, code = self._code("reduce_scatter", op, input.dtype)
+        if signature is not None:
+            code = signature
+        src, out = self._flat(input, "input"), self._flat(output, "output")
+        m, dtype, n = out.numel(), src.dtype, self.local_size
+        if src.numel() != m * n or out.dtype != dtype:
+            raise CommError(f"reduce_scatter: input must hold {n} x {m} {out.dtype} elements, "
+                            f"got {src.numel()} {dtype}")
+        step = max(1, len(self._halves[0][0]) // (src.element_size() * n))
+        kernel = ops.kernel(name)
+        parity = self._next_call()
+        for start in range(0, max(m, 1), step):
+            count = min(m - start, step)
+            half = self._next_half()
+            # my half holds, at block j, the piece of my input block j that rank j reduces
+            staged = self._area(half, self.me, n * count, dtype)
+            for j in self.control.peers:
+                staged[j * count:(j + 1) * count].copy_(src[j * m + start: j * m + start + count])
+            if start == 0:
+                self._arrive_checked((m, code, -1, -1), parity)
+            else:
+                self.control.barrier()
+            acc = out[start:start + count]
+            own = src[self.me * m + start: self.me * m + start + count]
+            if n == 1:
+                acc.copy_(own)
+            for k, peer in enumerate(self.control.peers):
+                theirs = self._area(half, peer, n * count, dtype)[
+                    self.me * count:(self.me + 1) * count]
+                kernel(acc, own if k == 0 else acc, theirs)
+        if name == "avg":
+            out.div_(self.view.size)
+        if out.data_ptr() != output.data_ptr():
+            output.copy_(out.view_as(output))
+        return output
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: str | dist.ReduceOp = "sum", *,
+               signature: int | None = None) -> torch.Tensor:
+        """Reduce onto global rank ``dst`` (in place there; other ranks' tensors stay as
+        they were): an all-reduce whose non-destination ranks work on a copy."""
+        self._check_open()
+        self._single_host("reduce")
+        name, code = self._code("reduce", op, tensor.dtype, dst)
+        self._local_of(dst, "dst")
+        work = tensor if self.view.global_rank(self.view.rank) == dst else tensor.clone()
+        self.all_reduce(work, name, signature=code if signature is None else signature)
+        return tensor
+
+
+assert META_WORDS >= 2 * 4  # two meta slots of (numel, signature, buffer, offset)
+
+
+# ---------------------------------------------------------------------- signature words
+# A call's signature in one int64 word, published in the control block at the call's
+# first barrier: bit 0 "this rank refused", then op, dtype, collective and root.
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier")
+_NONE = 15  # op "-" (no op), or a dtype shm cannot name
+
+
+def _dtype_name(dtype) -> str:
+    return "-" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+_DTYPE_NAMES = tuple(_dtype_name(d) for d in ops.DTYPES)
+
+
+def signature_word(collective: str, dtype: str, op: str, root: int = -1,
+                   problem: bool = False) -> int:
+    """The word for a call; ``dtype`` and ``op`` by name ("-" when there is none)."""
+    d = _DTYPE_NAMES.index(dtype) if dtype in _DTYPE_NAMES else _NONE
+    o = ops.OPS.index(op) if op in ops.OPS else _NONE
+    root = root if isinstance(root, int) and root >= -1 else -2
+    return int(problem) | o << 1 | d << 5 | COLLECTIVES.index(collective) << 9 | (root + 2) << 13
+
+
+def describe_call(numel: int, word: int) -> tuple[str, str]:
+    """(collective, "numel x dtype, op=..., root=...") for a published word."""
+    o, d, c, root = word >> 1 & 15, word >> 5 & 15, word >> 9 & 15, (word >> 13) - 2
+    collective = COLLECTIVES[c] if c < len(COLLECTIVES) else f"<collective {c}>"
+    parts = [f"{numel} x {_DTYPE_NAMES[d] if d < len(_DTYPE_NAMES) else 'other dtype'}"]
+    if o < len(ops.OPS):
+        parts.append(f"op={ops.OPS[o]}")
+    if root >= 0:
+        parts.append(f"root={root}")
+    if collective != "all_reduce":
+        parts.insert(0, collective)
+    return collective, ", ".join(parts)
 
 
 # ---------------------------------------------------------------------- registry face
@@ -527,13 +753,104 @@ def backend_all_reduce(tensor: torch.Tensor, op: str, group=None) -> torch.Tenso
 
 
 def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", group=None) -> torch.Tensor:
-    """Registry entry point: shm when usable, else the backend's own all_reduce."""
+    """Shm when usable, else the backend's own all_reduce (no in-band check of the
+    public layer's signature: use ``ddpkit.comm.all_reduce`` for that)."""
     if groups.view(group) is None:
         return tensor  # not a member: a no-op, as in torch
     comm = communicator(group)
     if comm is None:
         return backend_all_reduce(tensor, op, group)
     return comm.all_reduce(tensor, op)
+
+
+class ShmAlgorithm:
+    """The registry's "shm" and "hierarchical": every collective on the group's shared
+    :class:`ShmCommunicator`.
+
+    On one host each call's signature rides in its first barrier (``in_band(group)`` is
+    True and the public layer skips its separate agreement round trip). Across hosts
+    all_reduce and barrier are hierarchical (shm inside each host, the backend between
+    one leader per host); the other collectives use the backend directly, and the public
+    layer keeps its agreement all-gather, since no shared memory spans the hosts. Where
+    shared memory cannot be set up every rank learns it at the same collective and every
+    call goes to the backend.
+    """
+
+    def __init__(self):
+        self._words: dict = {}
+        self._backend = BackendAlgorithm()
+
+    def __repr__(self) -> str:
+        return "ShmAlgorithm()"
+
+    def in_band(self, group) -> bool:
+        comm = communicator(group)
+        return comm is not None and comm.nhosts == 1
+
+    def _word(self, signature) -> int | None:
+        """The shm signature word of the public layer's CallSignature (None: none)."""
+        if signature is None:
+            return None
+        key = (signature.collective, signature.dtype, signature.op, signature.root)
+        word = self._words.get(key)
+        if word is None:
+            word = self._words[key] = signature_word(*key)
+        return word
+
+    def _one_host(self, group) -> ShmCommunicator | None:
+        comm = communicator(group)
+        return comm if comm is not None and comm.nhosts == 1 else None
+
+    def refuse(self, signature, group=None) -> None:
+        """This rank refused the call locally: tell the peers at the call's barrier."""
+        comm = self._one_host(group)
+        if comm is not None:
+            comm.refuse(self._word(signature), max(signature.numel_in, 0))
+
+    def all_reduce(self, tensor, op, group=None, *, signature=None) -> None:
+        comm = communicator(group)
+        if comm is None:
+            self._backend.all_reduce(tensor, op, group)
+        else:
+            comm.all_reduce(tensor, op, signature=self._word(signature))
+
+    def barrier(self, group=None, *, signature=None) -> None:
+        comm = communicator(group)
+        if comm is None:
+            dist.barrier(group=group)
+        else:
+            comm.barrier(signature=self._word(signature))
+
+    def broadcast(self, tensor, src, group=None, *, signature=None) -> None:
+        comm = self._one_host(group)
+        if comm is None:
+            self._backend.broadcast(tensor, src, group)
+        else:
+            comm.broadcast(tensor, src, signature=self._word(signature))
+
+    def all_gather(self, output, input, group=None, *, signature=None) -> None:
+        comm = self._one_host(group)
+        if comm is None:
+            self._backend.all_gather(output, input, group)
+        else:
+            comm.all_gather(output, input, signature=self._word(signature))
+
+    def reduce_scatter(self, output, input, op, group=None, *, signature=None) -> None:
+        comm = self._one_host(group)
+        if comm is None:
+            self._backend.reduce_scatter(output, input, op, group)
+        else:
+            comm.reduce_scatter(output, input, op, signature=self._word(signature))
+
+    def reduce(self, tensor, dst, op, group=None, *, signature=None) -> None:
+        comm = self._one_host(group)
+        if comm is None:
+            self._backend.reduce(tensor, dst, op, group)
+        else:
+            comm.reduce(tensor, dst, op, signature=self._word(signature))
+
+    def supports(self, tensor, group=None) -> bool:
+        return supports(tensor, group)
 
 
 def supports(tensor: torch.Tensor, group=None) -> bool:
