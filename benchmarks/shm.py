@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/shm.py [--nproc 2] [--sizes 4,64K,4M,32M] [--out-dir DIR]
 
-See ddpkit/comm/shm_bench.py for the method; results are recorded in RESULTS.md.
+See ddpkit/bench/shm.py for the method; results are recorded in RESULTS.md.
 """
 
 import sys

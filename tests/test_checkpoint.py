@@ -58,7 +58,8 @@ class Counter:
 
 @pytest.fixture
 def warnings_seen():
-    """Lines ddpkit logs at WARNING or above (its logger does not propagate to root)."""
+    """Lines ddpkit logs at WARNING or above, caught by a handler on the "ddpkit" logger
+    itself (whatever the root logger's level and handlers are)."""
     lines: list[str] = []
 
     class ListHandler(logging.Handler):
