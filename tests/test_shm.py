@@ -145,8 +145,203 @@ def mismatched_calls(world) -> list[str]:
 def test_ranks_disagreeing_on_the_call_get_an_error_not_a_hang(pools):
     for messages in pools(2).run(mismatched_calls):
         assert len(messages) == 3
-        assert all("called shm all_reduce differently" in m for m in messages[:2])
+        assert all("all_reduce arguments differ across ranks" in m for m in messages[:2])
+        assert all("rank 0: 10 x float32" in m and "rank 1: 11 x float32" in m
+                   for m in messages[:1])
         assert messages[2] == [2.0] * 5
+
+
+def _reference(collective: str, x: torch.Tensor, op: str, root: int, p: int) -> torch.Tensor:
+    """torch's answer for one rank: built from dist.all_reduce / all_gather_object only."""
+    r = dist.get_rank()
+    if collective == "broadcast":
+        ref = x.clone()
+        dist.broadcast(ref, root)
+        return ref
+    if collective == "all_gather":
+        parts: list = [None] * p
+        dist.all_gather_object(parts, x)
+        return torch.cat(parts)
+    total = x.clone()
+    dist.all_reduce(total, ops.TO_REDUCE_OP["sum" if op == "avg" else op])
+    if op == "avg":
+        total = total / p
+    if collective == "reduce_scatter":
+        m = x.numel() // p
+        return total[r * m:(r + 1) * m]
+    return total if r == root else x  # reduce: only the root's tensor changes
+
+
+def _run_collective(comm, collective: str, x: torch.Tensor, op: str, root: int, p: int):
+    if collective == "broadcast":
+        y = x.clone()
+        comm.broadcast(y, root)
+        return y
+    if collective == "all_gather":
+        y = torch.full((x.numel() * p,), 99, dtype=x.dtype)
+        comm.all_gather(y, x)
+        return y
+    if collective == "reduce_scatter":
+        y = torch.full((x.numel() // p,), 99, dtype=x.dtype)
+        comm.reduce_scatter(y, x, op)
+        return y
+    y = x.clone()
+    comm.reduce(y, root, op)
+    return y
+
+
+SHM_COLLECTIVES = ("broadcast", "all_gather", "reduce_scatter", "reduce")
+
+
+def collectives_grid(world, sizes, dtypes) -> tuple[int, list]:
+    """Every shm collective, dtype, op and size (tiny slots: many pieces) against torch."""
+    from ddpkit.comm.shm import ShmCommunicator
+
+    p, checks, failures = world.world_size, 0, []
+    with ShmCommunicator(slot_mb=SLOT_MB, timeout=60) as comm:
+        for collective in SHM_COLLECTIVES:
+            for dtype in dtypes:
+                opnames = ["-"] if collective in ("broadcast", "all_gather") else [
+                    o for o in ("sum", "avg", "max", "min", "product")
+                    if dtype.is_floating_point or o != "avg"]
+                for op in opnames:
+                    for numel in sizes:
+                        n = numel * p if collective == "reduce_scatter" else numel
+                        root = (numel + 1) % p
+                        x = _input(world.rank, n, dtype, "sum" if op == "-" else op, numel)
+                        want = _reference(collective, x, op, root, p)
+                        got = _run_collective(comm, collective, x, op, root, p)
+                        checks += 1
+                        if not _close(got, want, p, "min" if op == "-" else op):
+                            failures.append((collective, str(dtype), op, numel))
+        comm.barrier()
+    return checks, failures
+
+
+@pytest.mark.parametrize(("world_size", "sizes", "dtypes"), [
+    (2, (0, 1, 7, 1000, 40_001), (torch.float32, torch.float64, torch.bfloat16, torch.int64)),
+    (3, (0, 7, 40_001), (torch.float32, torch.int32)),
+    (4, (0, 5, 12_345), (torch.float32, torch.bfloat16)),
+])
+def test_broadcast_gather_scatter_reduce_match_torch(pools, world_size, sizes, dtypes):
+    for checks, failures in pools(world_size).run(collectives_grid, sizes, dtypes):
+        assert checks > 40
+        assert failures == []
+
+
+def public_default_grid(world) -> tuple[int, list]:
+    """The public API with no algo argument (auto: shm here), sizes past one slot half."""
+    from ddpkit import comm as dcomm
+    from ddpkit.comm import auto
+
+    p, checks, failures = world.world_size, 0, []
+    assert auto.algo_for(None, "cpu") == "shm"
+    for numel in (0, 3, 40_001, 1_200_001):  # the last: > half a default slot (4 MiB)
+        for dtype, op in ((torch.float32, "sum"), (torch.float64, "avg"), (torch.int64, "max")):
+            x = _input(world.rank, numel, dtype, op, numel)
+            want = _reference("reduce", x, op, dist.get_rank(), p)  # everyone's the root
+            got = x.clone()
+            dcomm.all_reduce(got, op)
+            checks += 1
+            if not _close(got, want, p, op):
+                failures.append(("all_reduce", str(dtype), op, numel))
+            for collective in SHM_COLLECTIVES:
+                n = numel * p if collective == "reduce_scatter" else numel
+                y = _input(world.rank, n, dtype, op, numel + 1)
+                cop = "-" if collective in ("broadcast", "all_gather") else op
+                want = _reference(collective, y, cop, p - 1, p)
+                got = _run_collective(_Public(dcomm), collective, y, cop, p - 1, p)
+                checks += 1
+                if not _close(got, want, p, "min" if cop == "-" else op):
+                    failures.append((collective, str(dtype), op, numel))
+    dcomm.barrier()
+    return checks, failures
+
+
+class _Public:
+    """ddpkit.comm with the ShmCommunicator's method signatures (for _run_collective)."""
+
+    def __init__(self, dcomm):
+        self.c = dcomm
+
+    def broadcast(self, t, root):
+        self.c.broadcast(t, root)
+
+    def all_gather(self, out, x):
+        self.c.all_gather(out, x)
+
+    def reduce_scatter(self, out, x, op):
+        self.c.reduce_scatter(out, x, op=op)
+
+    def reduce(self, t, root, op):
+        self.c.reduce(t, root, op=op)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_public_default_collectives_match_torch(pools, world_size):
+    for checks, failures in pools(world_size).run(public_default_grid):
+        assert checks == 60
+        assert failures == []
+
+
+def mismatched_collectives(world, case: str) -> tuple[str, bool]:
+    """One rank (the last) calls differently; everything through the default (shm)."""
+    from ddpkit import comm as dcomm
+
+    p, r = world.world_size, world.rank
+    odd = r == p - 1
+    big = 1_200_001  # several slot halves: a rank going ahead alone would hang or abort
+    calls = {
+        "bcast_vs_gather": lambda: (dcomm.broadcast(torch.ones(big), 0) if odd else
+                                    dcomm.all_gather(torch.empty(big * p), torch.ones(big))),
+        "barrier_vs_all_reduce": lambda: (dcomm.barrier() if odd else
+                                          dcomm.all_reduce(torch.ones(8))),
+        "rs_size": lambda: dcomm.reduce_scatter(torch.empty(big + odd),
+                                                torch.ones((big + odd) * p)),
+        "ag_dtype": lambda: dcomm.all_gather(
+            torch.empty(4 * p, dtype=torch.float64 if odd else torch.float32),
+            torch.ones(4, dtype=torch.float64 if odd else torch.float32)),
+        "bcast_root": lambda: dcomm.broadcast(torch.ones(big), int(odd)),
+        "reduce_op": lambda: dcomm.reduce(torch.ones(9), 0, op="min" if odd else "max"),
+        "refused_bcast": lambda: dcomm.broadcast(torch.ones(big), p + 3 if odd else 0),
+        "refused_rs_shape": lambda: dcomm.reduce_scatter(torch.empty(5),
+                                                         torch.ones(5 * p + odd)),
+    }
+    try:
+        calls[case]()
+        outcome = "ok"
+    except CommError as err:
+        outcome = f"CommError: {err}"
+    x = torch.arange(big, dtype=torch.float32) * (r + 1)
+    dcomm.all_reduce(x)
+    still = torch.equal(x, torch.arange(big, dtype=torch.float32) * sum(range(1, p + 1)))
+    y = torch.full((3,), float(r))
+    dcomm.broadcast(y, p - 1)
+    return outcome, still and torch.equal(y, torch.full((3,), float(p - 1)))
+
+
+COLLECTIVE_MISMATCHES = {
+    "bcast_vs_gather": "differ across ranks",
+    "barrier_vs_all_reduce": "differ across ranks",
+    "rs_size": "differ across ranks",
+    "ag_dtype": "float64",
+    "bcast_root": "root=",
+    "reduce_op": "op=min",
+    "refused_bcast": "refused the call",
+    "refused_rs_shape": "refused the call",
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("case", sorted(COLLECTIVE_MISMATCHES))
+def test_mismatched_shm_collectives_raise_on_every_rank(pools, case, world_size):
+    results = pools(world_size).run(mismatched_collectives, case, timeout=60)
+    for rank, (outcome, still_works) in enumerate(results):
+        assert outcome.startswith("CommError"), (rank, outcome)
+        assert still_works, rank
+    # every rank but a refusing one gives the same message, naming the difference
+    others = {outcome for outcome, _ in results[:-1]}
+    assert len(others) == 1 and COLLECTIVE_MISMATCHES[case] in others.pop(), results
 
 
 def hierarchical(world, run) -> dict:
