@@ -3,6 +3,9 @@
 For each message size every rank times, in the same processes, round-robin:
 
 * ``gloo``      torch.distributed.all_reduce on a private tensor (TCP loopback);
+* ``comm``      ``ddpkit.comm.all_reduce(t)`` with no argument but the tensor (the door
+  most users take: ``algo="auto"`` and the default-on mismatch check) on a private tensor;
+* ``comm-nocheck`` the same with ``check=False`` (what the default check costs);
 * ``shm-copy``  ShmCommunicator.all_reduce on a private tensor (copied through the
   shared slots: what any caller gets);
 * ``shm``       ShmCommunicator.all_reduce on a tensor from ``allocate()`` (nothing
@@ -10,8 +13,9 @@ For each message size every rank times, in the same processes, round-robin:
 
 Reported per size: median time per call (the slowest rank's), bus bandwidth
 (``bytes * 2(W-1)/W / time``, the all-reduce convention), ratio to gloo, and a
-verdict on the targets (busbw >= 3x gloo at >= 4 MiB, latency <= 1/10 of gloo at
-<= 64 KiB). Used by ``ddpkit bench shm`` and ``benchmarks/shm.py``.
+verdict on the targets (shm: busbw >= 3x gloo at >= 4 MiB, latency <= 1/10 of gloo at
+<= 64 KiB; comm, issue 11: >= 20x gloo at <= 64 KiB and >= 4x at 4-32 MiB, and the
+default check costing <= 10% of the call). Used by ``ddpkit bench shm`` and ``benchmarks/shm.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch.distributed as dist
 
 from ddpkit.bench.output import pyplot, save_figure, write_csv, write_json
 
-ALGOS = ("gloo", "shm-copy", "shm")
+ALGOS = ("gloo", "comm", "comm-nocheck", "shm-copy", "shm")
 DEFAULT_SIZES = "4,1K,16K,64K,256K,1M,4M,16M,32M"
 BIG, SMALL = 4 << 20, 64 << 10  # where the bandwidth / latency targets apply
 
@@ -55,8 +59,12 @@ def human(nbytes: float) -> str:
 
 
 def _calls(comm, private: torch.Tensor, shared: torch.Tensor) -> dict:
+    from ddpkit import comm as public
+
     return {
         "gloo": lambda: dist.all_reduce(private),
+        "comm": lambda: public.all_reduce(private),
+        "comm-nocheck": lambda: public.all_reduce(private, check=False),
         "shm-copy": lambda: comm.all_reduce(private),
         "shm": lambda: comm.all_reduce(shared),
     }
@@ -129,6 +137,21 @@ def format_table(rows: list[dict], nprocs: int) -> str:
 def verdicts(rows: list[dict]) -> list[str]:
     """One line per target: the worst ratio over the sizes it applies to."""
     out = []
+    by = {(r["algo"], r["bytes"]): r for r in rows}
+    small = [r["speedup_vs_gloo"] for r in rows if r["algo"] == "comm" and r["bytes"] <= SMALL]
+    big = [r["speedup_vs_gloo"] for r in rows
+           if r["algo"] == "comm" and BIG <= r["bytes"] <= 32 << 20]
+    if small:
+        out.append(f"target comm (issue 11): >= 20x gloo at <= 64K: worst {min(small):.2f}x "
+                   f"({'met' if min(small) >= 20 else 'not met'})")
+    if big:
+        out.append(f"target comm (issue 11): >= 4x gloo at 4-32M: worst {min(big):.2f}x "
+                   f"({'met' if min(big) >= 4 else 'not met'})")
+    costs = [by[("comm", b)]["time_us"] / by[("comm-nocheck", b)]["time_us"] - 1
+             for (a, b) in by if a == "comm" and ("comm-nocheck", b) in by]
+    if costs:
+        out.append(f"default check cost (comm vs comm-nocheck): worst {max(costs):+.1%} "
+                   f"({'met' if max(costs) <= 0.10 else 'not met'}: <= +10%)")
     for algo in ("shm", "shm-copy"):
         big = [r["speedup_vs_gloo"] for r in rows if r["algo"] == algo and r["bytes"] >= BIG]
         small = [r["speedup_vs_gloo"] for r in rows if r["algo"] == algo and r["bytes"] <= SMALL]

@@ -17,7 +17,6 @@ overwrites it on ``dst`` only (other ranks' tensors are left as they were).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -64,8 +63,11 @@ class _Call:
         self.async_op = async_op
         self.check = check
         self.problem: CommError | None = None
-        self.view = groups.view(group)
-        self.sig = CallSignature(collective, str(algo), "-", "?", -1, -1, -1, False)
+        self.view = _view(group)
+        # the call's signature, field by field (CallSignature's names; built only when the
+        # agreement all-gather needs one: in-band algorithms read these attributes)
+        self.algo, self.op, self.dtype = str(algo), "-", "?"
+        self.numel_in = self.numel_out = self.root = -1
         self.name: str | None = None
         self.impl = None
         self.method = None
@@ -82,8 +84,14 @@ class _Call:
                 fn()
             except CommError as err:
                 self.problem = err
-        if self.problem is not None and not self.sig.problem:
-            self.sig = replace(self.sig, problem=True)
+
+    @property
+    def sig(self) -> CallSignature:
+        return CallSignature(self.collective, self.algo, self.op, self.dtype, self.numel_in,
+                             self.numel_out, self.root, self.problem is not None)
+
+    def shape(self, dtype: str, numel_in: int, numel_out: int, root: int = -1) -> None:
+        self.dtype, self.numel_in, self.numel_out, self.root = dtype, numel_in, numel_out, root
 
     def resolve(self, device: torch.device, fallback: Callable | None = None) -> None:
         """Pick the algorithm. Runs even after a local refusal: which engine a call lands
@@ -95,11 +103,10 @@ class _Call:
         except CommError as err:
             if self.problem is None:
                 self.problem = err
-            self.validate(lambda: None)  # marks the signature
             return
         name, impl = self.name, self.impl
         self.name, self.impl = name, impl
-        self.sig = replace(self.sig, algo=name)
+        self.algo = name
         if fallback is not None and not callable(getattr(impl, self.collective, None)):
             self.method = lambda *args, signature=None: fallback(impl, *args)
             return
@@ -113,7 +120,7 @@ class _Call:
         self.in_band = probe is not None and bool(probe(group))
         if self.in_band:
             if self.problem is not None:
-                self.impl.refuse(self.sig, group)
+                self.impl.refuse(self, group)
                 raise self.problem
             return
         if self.check:
@@ -129,11 +136,11 @@ class _Call:
     def invoke(self, *args) -> None:
         """Run the algorithm's method; in-band algorithms get the signature to check."""
         if self.in_band:
-            self.method(*args, signature=self.sig)
+            self.method(*args, signature=self)
         else:
             self.method(*args)
 
-    def op(self, name: str) -> str:
+    def wire(self, name: str) -> str:
         """The op handed to the algorithm: in-band ones take "avg" and divide in their
         own pass; others get a sum the caller divides (finishing with :meth:`divides`)."""
         if name == "avg" and not self.in_band:
@@ -192,6 +199,27 @@ class _DeviceOnly:
         self.device = device
 
 
+_views: dict = {}
+_views_owner: list = [None]
+
+
+def _view(group) -> groups.GroupView | None:
+    """groups.view, remembered per group (a call's hot path); a new default group (a new
+    init_process_group) starts afresh."""
+    world = dist.group.WORLD
+    if _views_owner[0] is not world:
+        _views.clear()
+        _views_owner[0] = world
+    key = world if group is None else group
+    try:
+        return _views[key]
+    except KeyError:
+        found = _views[key] = groups.view(group)
+        return found
+    except TypeError:  # an unhashable group object
+        return groups.view(group)
+
+
 def _not_member(async_op: bool) -> Result:
     # torch makes a collective on a group this rank is not in a no-op; so do we.
     return lanes.completed(None) if async_op else None
@@ -206,7 +234,7 @@ def _check_op(call: _Call, op: Op, dtype: torch.dtype) -> str:
         ops.check_op(name, dtype)
 
     call.validate(check)
-    call.sig = replace(call.sig, op=name)
+    call.op = name
     return name
 
 
@@ -233,10 +261,7 @@ def all_reduce(
     call = _Call("all_reduce", algo, group, async_op, check)
     if not call.member:
         return _not_member(async_op)
-    call.sig = replace(
-        call.sig, dtype=_dtype_name(tensor.dtype), numel_in=tensor.numel(),
-        numel_out=tensor.numel(),
-    )
+    call.shape(_dtype_name(tensor.dtype), tensor.numel(), tensor.numel())
     name = _check_op(call, op, tensor.dtype)
     call.resolve(tensor.device)
     size = call.view.size
@@ -244,7 +269,7 @@ def all_reduce(
 
     def body(group) -> None:
         if size > 1 and flat.numel() > 0:
-            call.invoke(flat, call.op(name), group)
+            call.invoke(flat, call.wire(name), group)
 
     def finish() -> torch.Tensor:
         if call.divides(name):
@@ -253,7 +278,7 @@ def all_reduce(
         return tensor
 
     def backend_async():
-        return call.impl.all_reduce(flat, call.op(name), group, async_op=True)
+        return call.impl.all_reduce(flat, call.wire(name), group, async_op=True)
 
     return call.run(tensor.device, body, backend_async, finish)
 
@@ -276,10 +301,7 @@ def reduce_scatter(
     if not call.member:
         return _not_member(async_op)
     size = call.view.size
-    call.sig = replace(
-        call.sig, dtype=_dtype_name(input.dtype), numel_in=input.numel(),
-        numel_out=output.numel(),
-    )
+    call.shape(_dtype_name(input.dtype), input.numel(), output.numel())
     name = _check_op(call, op, input.dtype)
     call.validate(lambda: _check_blocks("reduce_scatter", input, output, size, "input", "output"))
     call.resolve(input.device)
@@ -290,7 +312,7 @@ def reduce_scatter(
         if size == 1:
             flat_out.copy_(flat_in)
         elif flat_out.numel() > 0:
-            call.invoke(flat_out, flat_in, call.op(name), group)
+            call.invoke(flat_out, flat_in, call.wire(name), group)
 
     def finish() -> torch.Tensor:
         if call.divides(name):
@@ -299,7 +321,7 @@ def reduce_scatter(
         return output
 
     def backend_async():
-        return call.impl.reduce_scatter(flat_out, flat_in, call.op(name), group, async_op=True)
+        return call.impl.reduce_scatter(flat_out, flat_in, call.wire(name), group, async_op=True)
 
     return call.run(input.device, body, backend_async, finish)
 
@@ -321,10 +343,7 @@ def all_gather(
     if not call.member:
         return _not_member(async_op)
     size = call.view.size
-    call.sig = replace(
-        call.sig, dtype=_dtype_name(input.dtype), numel_in=input.numel(),
-        numel_out=output.numel(),
-    )
+    call.shape(_dtype_name(input.dtype), input.numel(), output.numel())
     call.validate(lambda: ops.check_dtype(input.dtype))
     call.validate(lambda: _check_blocks("all_gather", output, input, size, "output", "input"))
     call.resolve(input.device)
@@ -361,10 +380,7 @@ def broadcast(
     call = _Call("broadcast", algo, group, async_op, check)
     if not call.member:
         return _not_member(async_op)
-    call.sig = replace(
-        call.sig, dtype=_dtype_name(tensor.dtype), numel_in=tensor.numel(),
-        numel_out=tensor.numel(), root=_root_code(src),
-    )
+    call.shape(_dtype_name(tensor.dtype), tensor.numel(), tensor.numel(), _root_code(src))
     call.validate(lambda: ops.check_dtype(tensor.dtype))
     call.validate(lambda: _check_root(call.view, src, "src"))
     call.resolve(tensor.device)
@@ -399,10 +415,7 @@ def reduce(
     call = _Call("reduce", algo, group, async_op, check)
     if not call.member:
         return _not_member(async_op)
-    call.sig = replace(
-        call.sig, dtype=_dtype_name(tensor.dtype), numel_in=tensor.numel(),
-        numel_out=tensor.numel(), root=_root_code(dst),
-    )
+    call.shape(_dtype_name(tensor.dtype), tensor.numel(), tensor.numel(), _root_code(dst))
     name = _check_op(call, op, tensor.dtype)
     call.validate(lambda: _check_root(call.view, dst, "dst"))
     call.resolve(tensor.device)
@@ -412,7 +425,7 @@ def reduce(
 
     def body(group) -> None:
         if size > 1 and flat.numel() > 0:
-            call.invoke(flat, dst, call.op(name), group)
+            call.invoke(flat, dst, call.wire(name), group)
 
     def finish() -> torch.Tensor:
         if is_dst:
@@ -422,7 +435,7 @@ def reduce(
         return tensor
 
     def backend_async():
-        return call.impl.reduce(flat, dst, call.op(name), group, async_op=True)
+        return call.impl.reduce(flat, dst, call.wire(name), group, async_op=True)
 
     return call.run(tensor.device, body, backend_async, finish)
 
@@ -442,7 +455,7 @@ def barrier(
     call = _Call("barrier", algo, group, async_op, check)
     if not call.member:
         return _not_member(async_op)
-    call.sig = replace(call.sig, dtype="-", numel_in=0, numel_out=0)
+    call.shape("-", 0, 0)
     device = _group_device(group)
     call.resolve(device, fallback=_token_barrier(device))
     def body(group) -> None:
