@@ -370,6 +370,58 @@ def test_hierarchical_across_fake_hosts_matches_torch(pools):
         assert len(result["ok"]) == 15 and all(result["ok"])
 
 
+def public_on_fake_hosts(world) -> dict:
+    """ddpkit.comm with no algo argument on a group whose ranks claim two hosts: auto picks
+    "hierarchical" (shm inside a host, the backend between host leaders)."""
+    from ddpkit import comm as dcomm
+    from ddpkit.comm import auto
+
+    p, r = world.world_size, world.rank
+    before = os.environ.get("DDPKIT_HOST_ID")
+    os.environ["DDPKIT_HOST_ID"] = f"fake-host-{r // 2}"
+    try:
+        group = dcomm.new_group(list(range(p)))  # fresh group: fresh decision and communicator
+        out = {"algo": auto.algo_for(group, "cpu"), "ok": []}
+        for numel in (0, 7, 1_200_001):
+            for dtype, op in ((torch.float64, "sum"), (torch.float32, "avg"), (torch.int64, "max")):
+                x = _input(r, numel, dtype, op, numel)
+                want = x.clone()
+                dist.all_reduce(want, ops.TO_REDUCE_OP["sum" if op == "avg" else op])
+                if op == "avg":
+                    want = want / p
+                got = x.clone()
+                dcomm.all_reduce(got, op, group=group)
+                out["ok"].append(_close(got, want, p, op))
+        y = torch.full((5,), float(r))
+        dcomm.broadcast(y, p - 1, group=group)
+        out["ok"].append(torch.equal(y, torch.full((5,), float(p - 1))))
+        gathered = torch.empty(2 * p)
+        dcomm.all_gather(gathered, torch.full((2,), float(r)), group=group)
+        out["ok"].append(torch.equal(gathered, torch.arange(p).repeat_interleave(2).float()))
+        shard = torch.empty(3)
+        dcomm.reduce_scatter(shard, torch.ones(3 * p), group=group)
+        out["ok"].append(torch.equal(shard, torch.full((3,), float(p))))
+        dcomm.barrier(group=group)
+        try:  # no shared memory spans hosts: the agreement all-gather catches this
+            dcomm.all_reduce(torch.ones(10 + (r == p - 1)), group=group)
+            out["mismatch"] = "ok"
+        except CommError as err:
+            out["mismatch"] = str(err)
+        return out
+    finally:
+        if before is None:
+            del os.environ["DDPKIT_HOST_ID"]
+        else:
+            os.environ["DDPKIT_HOST_ID"] = before
+
+
+def test_public_default_is_hierarchical_across_fake_hosts(pools):
+    for result in pools(4).run(public_on_fake_hosts):
+        assert result["algo"] == "hierarchical"
+        assert result["ok"] == [True] * 12
+        assert "rank 3: 11 x float32" in result["mismatch"]
+
+
 # ---------------------------------------------------------------- registry face, hook
 
 
