@@ -3,8 +3,10 @@
 Every test compares parameters after optimizer steps, not losses:
 * equivalence: W ranks with B/W samples each == one process with B samples (float64, so a
   real bug shows up as a difference orders of magnitude above rounding);
-* parity: ddpkit and torch's DistributedDataParallel, fed the same data, end with
-  bit-identical float32 parameters.
+* parity: ddpkit (``comm="backend"``: the same gloo all-reduce) and torch's
+  DistributedDataParallel, fed the same data, end with bit-identical float32 parameters.
+  The default transport (shared memory on one host) is checked against one process and
+  for bit-identical replicas (here and in test_ddp_comm.py).
 """
 
 import copy
@@ -187,8 +189,9 @@ def _train_pair(world, kind, steps, *, cap, accumulate, unused, ours_opts):
     base = MODELS[kind]()
     ours_model, torch_model = copy.deepcopy(base), copy.deepcopy(base)
     find_unused = unused
+    # comm="backend": the same gloo all-reduce as torch's reducer, hence the same bits
     ours = DataParallel(ours_model, bucket_cap_mb=cap or 25.0, find_unused_parameters=find_unused,
-                        **ours_opts)
+                        comm="backend", **ours_opts)
     theirs = data_parallel(torch_model, engine="torch", bucket_cap_mb=cap,
                            find_unused_parameters=find_unused)
     opts = [torch.optim.Adam(m.parameters(), lr=0.01) for m in (ours, theirs)]
@@ -431,7 +434,7 @@ def run_mixed_dtypes(world):
             return self.inner[1](self.inner[0](x).double())
 
     ours_model, torch_model = Mixed(copy.deepcopy(base)), Mixed(copy.deepcopy(base))
-    ours = DataParallel(ours_model)
+    ours = DataParallel(ours_model, comm="backend")
     theirs = data_parallel(torch_model, engine="torch")
     for model in (ours, theirs):
         _three_sgd_steps(model, world)

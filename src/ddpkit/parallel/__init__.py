@@ -11,14 +11,17 @@ from typing import Any
 
 from torch import nn
 
+from ddpkit.comm.shm.hook import ShmState, shm_hook
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.ddp import DataParallel
 from ddpkit.parallel.grad_bucket import GradBucket
+from ddpkit.parallel.hooks import ring_hook
 from ddpkit.parallel.join import join
+from ddpkit.parallel.transport import COMM_CHOICES
 
 ENGINES = ("ddpkit", "torch")
 _OPTIONS = ("bucket_cap_mb", "broadcast_buffers", "find_unused_parameters", "comm_hook",
-            "comm_state", "group", "first_bucket_cap_mb", "initial_bucketing")
+            "comm_state", "group", "first_bucket_cap_mb", "initial_bucketing", "comm")
 
 
 def data_parallel(module: nn.Module, engine: str = "ddpkit", **options: Any) -> nn.Module:
@@ -26,7 +29,10 @@ def data_parallel(module: nn.Module, engine: str = "ddpkit", **options: Any) -> 
 
     Both engines expose ``.module`` and ``.no_sync()`` and work with :func:`ddpkit.join`.
     Options: ``bucket_cap_mb``, ``broadcast_buffers``, ``find_unused_parameters``,
-    ``comm_hook``, ``comm_state``, ``group`` (and ``first_bucket_cap_mb`` for ddpkit).
+    ``comm_hook``, ``comm_state``, ``group``, ``comm`` (and ``first_bucket_cap_mb``,
+    ``initial_bucketing`` for ddpkit). ``comm`` under torch's engine: ``"auto"`` and
+    ``"backend"`` leave torch's reducer as it is; ``"shm"`` and ``"ring"`` register
+    ddpkit's shared-memory or ring hook on it.
     """
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
@@ -50,12 +56,22 @@ def _torch_ddp(
     group=None,
     first_bucket_cap_mb: float | None = None,
     initial_bucketing: str | None = None,
+    comm: str = "auto",
 ) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     if first_bucket_cap_mb is not None or initial_bucketing is not None:
         raise ConfigError("first_bucket_cap_mb and initial_bucketing are ddpkit engine options; "
                           "torch's DDP lays out its buckets itself")
+    if comm not in COMM_CHOICES:
+        raise ConfigError(f"comm must be one of {', '.join(COMM_CHOICES)}, got {comm!r}")
+    if comm in ("shm", "ring") and comm_hook is not None:
+        raise ConfigError(f"comm={comm!r} and comm_hook both choose how buckets are reduced; "
+                          "pass one of them")
+    if comm == "shm":
+        comm_hook, comm_state = shm_hook, ShmState(group)
+    elif comm == "ring":
+        comm_hook = ring_hook
     # torch 2.13 renamed broadcast_buffers to forward_sync_buffers (the old name warns).
     params = inspect.signature(DistributedDataParallel.__init__).parameters
     buffers_option = ("forward_sync_buffers" if "forward_sync_buffers" in params

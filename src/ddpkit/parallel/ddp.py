@@ -35,22 +35,23 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddpkit.errors import ConfigError
-from ddpkit.parallel import torch_compat
-from ddpkit.parallel.buckets import Allocator, default_allocator, size_limits
+from ddpkit.parallel import torch_compat, transport
+from ddpkit.parallel.buckets import Allocator, size_limits
 from ddpkit.parallel.join_state import TorchJoinHook
 from ddpkit.parallel.reducer import CommHook, Reducer
 from ddpkit.parallel.state_sync import broadcast_coalesced, verify_same_layout
 
 
-def _allocator_from(comm_state: object) -> Allocator:
-    """Use ``comm_state.allocate`` for bucket storage when the state offers it.
+def _allocator_from(comm_state: object, default: Allocator) -> Allocator:
+    """Use ``comm_state.allocate`` for bucket storage when the state offers it, else
+    ``default`` (the transport's).
 
     This is how a shared-memory communicator gets gradients written straight into its
     segment by backward: the bucket buffers *are* its memory.
     """
     allocate = getattr(comm_state, "allocate", None)
     if allocate is None or not callable(allocate):
-        return default_allocator
+        return default
     try:
         takes_device = len(inspect.signature(allocate).parameters) >= 3
     except (TypeError, ValueError):
@@ -60,7 +61,7 @@ def _allocator_from(comm_state: object) -> Allocator:
 
     def without_device(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type != "cpu":
-            return default_allocator(numel, dtype, device)
+            return default(numel, dtype, device)
         return allocate(numel, dtype)
 
     return without_device
@@ -89,6 +90,12 @@ class DataParallel(nn.Module, Joinable):
 
     Args:
         module: the model, already on its device(s); every rank builds the same one.
+        comm: how buckets are all-reduced (see :mod:`ddpkit.parallel.transport`):
+            ``"auto"`` (default: ``"shm"`` for a CPU module whose ranks share a host,
+            ``"backend"`` for CUDA and everything else, decided once here), ``"backend"``
+            (torch's all_reduce: bit-identical to torch DDP), ``"ring"`` (ddpkit's ring),
+            ``"shm"`` (buckets live in the host's shared memory; backward writes gradients
+            there and the sum runs in place), or a comm hook (same as ``comm_hook=``).
         bucket_cap_mb: size cap of a gradient bucket in MiB (the first bucket is capped at
             ``first_bucket_cap_mb``, default ``min(1, bucket_cap_mb)``).
         broadcast_buffers: copy rank 0's buffers to every rank before each forward.
@@ -135,6 +142,7 @@ class DataParallel(nn.Module, Joinable):
         group: dist.ProcessGroup | None = None,
         first_bucket_cap_mb: float | None = None,
         initial_bucketing: str = "reverse",
+        comm: str | CommHook = "auto",
     ):
         super().__init__()
         Joinable.__init__(self)
@@ -166,6 +174,16 @@ class DataParallel(nn.Module, Joinable):
         if comm_hook is not None and not callable(comm_hook):
             raise ConfigError(
                 f"comm_hook must be callable as hook(state, bucket), got {comm_hook!r}")
+        if callable(comm):
+            if comm_hook is not None:
+                raise ConfigError("pass the comm hook once: comm=hook or comm_hook=hook")
+            comm_hook, comm = comm, "backend"
+        elif comm not in transport.COMM_CHOICES:
+            raise ConfigError(f"comm must be one of {', '.join(transport.COMM_CHOICES)} or a "
+                              f"comm hook, got {comm!r}")
+        elif comm_hook is not None and comm != "auto":
+            raise ConfigError(f"comm={comm!r} and comm_hook both choose how buckets are "
+                              "reduced; pass one of them")
         try:
             limits = size_limits(bucket_cap_mb, first_bucket_cap_mb)
         except ValueError as exc:
@@ -194,6 +212,11 @@ class DataParallel(nn.Module, Joinable):
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         if not trainable:
             raise ConfigError("DataParallel: the module has no parameter that requires grad")
+        # A hook reduces the buckets itself: "auto" then keeps them in private memory.
+        wanted = "backend" if comm_hook is not None else comm
+        self.transport = transport.build(
+            wanted, sorted({p.device.type for _, p in trainable}), group)
+        self.comm = self.transport.name
         self.reducer = Reducer(
             [p for _, p in trainable],
             [n for n, _ in trainable],
@@ -202,8 +225,9 @@ class DataParallel(nn.Module, Joinable):
             find_unused_parameters=find_unused_parameters,
             comm_hook=comm_hook,
             comm_state=comm_state,
-            allocate=_allocator_from(comm_state),
+            allocate=_allocator_from(comm_state, self.transport.allocate),
             initial_bucketing=initial_bucketing,
+            transport=self.transport,
         )
 
     # -- forward -------------------------------------------------------------------------
@@ -315,7 +339,8 @@ class DataParallel(nn.Module, Joinable):
     def extra_repr(self) -> str:
         sizes = [sum(self.reducer.params[i].numel() for i in b.param_indices)
                  for b in self.reducer.buckets]
-        return f"world_size={self.world_size}, buckets={len(sizes)} (numel {sizes})"
+        return (f"world_size={self.world_size}, comm={self.comm}, buckets={len(sizes)} "
+                f"(numel {sizes})")
 
 
 # Collectives and Python-side bookkeeping: under torch.compile they run eagerly (a graph

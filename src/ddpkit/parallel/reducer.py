@@ -27,6 +27,7 @@ match. With a comm hook the engine does not scale: the hook averages (it gets
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,12 @@ from ddpkit.parallel.buckets import (
 from ddpkit.parallel.grad_bucket import GradBucket
 
 CommHook = Callable[[object, GradBucket], torch.futures.Future]
+
+
+class Transport(Protocol):
+    """The default path's all-reduce of one scaled bucket (ddpkit.parallel.transport)."""
+
+    def all_reduce(self, buffer: torch.Tensor) -> Any: ...
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -61,6 +68,7 @@ class Reducer:
         comm_state: object,
         allocate: Allocator = default_allocator,
         initial_bucketing: str = "reverse",
+        transport: Transport | None = None,
     ):
         self.params = list(params)
         self.names = list(names)
@@ -71,6 +79,8 @@ class Reducer:
         self.comm_hook = comm_hook
         self.comm_state = comm_state
         self.allocate = allocate
+        # how the default path sums a bucket (ddpkit.parallel.transport); None: backend
+        self.transport = transport
 
         if initial_bucketing == "reverse":
             reverse = list(reversed(range(len(self.params))))
@@ -249,7 +259,10 @@ class Reducer:
                     "torch.futures.Future"
                 )
         elif self.world_size > 1:
-            bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
+            if self.transport is None:
+                bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
+            else:  # a handle to wait for, or None when the sum is done already (shm)
+                bucket.work = self.transport.all_reduce(buffer)
 
     def _finalize_backward(self) -> None:
         """End-of-backward callback: every bucket reduced, every grad averaged, then return."""

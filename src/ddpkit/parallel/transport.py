@@ -1,0 +1,192 @@
+"""How DataParallel's default path moves a bucket: ``comm="auto" | "backend" | "ring" | "shm"``.
+
+A transport owns two things of the engine's default (no comm hook) path:
+
+* ``allocate(numel, dtype, device)``: the storage of each flat gradient bucket, which
+  ``param.grad`` views into;
+* ``all_reduce(buffer)``: sum one bucket (already scaled by ``1/divisor`` while the
+  gradients were copied in) across the group, returning a handle with ``wait()`` or
+  None when the sum is complete on return.
+
+``"auto"`` (the default) is decided once per engine, from the devices of the module's
+parameters and the group's layout (:func:`ddpkit.comm.auto.algo_for`): CPU ranks that
+share a host get ``"shm"``; anything on an accelerator (CUDA -> NCCL), a group of one
+rank, ranks one per host or a rank without usable shared memory get ``"backend"``.
+
+``"shm"`` places every CPU bucket in a shared-memory segment of the host
+(:meth:`ddpkit.comm.shm.ShmCommunicator.allocate`), so backward's copy of a gradient
+into its bucket is also its hand-over to the peers, and the all-reduce runs in place:
+each rank sums its 1/L share of the bucket across the ranks' regions and writes it back
+to all of them, with no copy in or out and no socket. Each element is summed by exactly
+one rank, so replicas stay bit-identical. Across hosts the same communicator reduces
+inside each host and between one leader per host over the backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.comm import auto
+from ddpkit.comm.collectives import all_reduce as comm_all_reduce
+from ddpkit.comm.shm.allreduce import ShmCommunicator
+from ddpkit.errors import CommError, ConfigError
+from ddpkit.log import get_logger
+from ddpkit.parallel.buckets import default_allocator
+
+log = get_logger(__name__)
+
+COMM_CHOICES = ("auto", "backend", "ring", "shm")
+# Scratch per rank for buckets that are not in the segment (a joined rank's stand-in
+# zeros, a bucket whose allocation failed): they go through it in pieces.
+SHM_SLOT_MB = 2.0
+
+
+def choose(comm: str, device_types: Sequence[str], world_size: int, *,
+           same_host: bool = True, shm_ok: bool = True, max_local: int | None = None) -> str:
+    """The transport ``comm`` means for these parameter devices and group layout (pure).
+
+    ``"auto"`` follows :func:`ddpkit.comm.auto.choose_algo` for the parameters' device:
+    buckets on an accelerator (or spread over several device types) always get
+    ``"backend"``; CPU buckets get ``"shm"`` where ``choose_algo`` says shm or
+    hierarchical (the shm communicator is hierarchical across hosts).
+    """
+    if comm not in COMM_CHOICES:
+        raise ConfigError(f"comm must be one of {', '.join(COMM_CHOICES)} or a comm hook, "
+                          f"got {comm!r}")
+    if comm != "auto":
+        return comm
+    types = set(device_types)
+    device_type = types.pop() if len(types) == 1 else "mixed"
+    algo = auto.choose_algo(device_type, same_host, world_size, shm_ok=shm_ok,
+                            max_local=max_local)
+    return "shm" if algo in ("shm", "hierarchical") else "backend"
+
+
+def resolve(comm: str, device_types: Sequence[str], group) -> str:
+    """:func:`choose` for a live group. Only a CPU module's ``"auto"`` exchanges anything
+    (the group's host layout, once per group: every rank calls this in the constructor);
+    explicit choices and accelerator modules decide without communication."""
+    types = set(device_types)
+    if comm != "auto" or types != {"cpu"}:
+        return choose(comm, device_types, dist.get_world_size(group))
+    lay = auto.layout(group)
+    return choose(comm, device_types, lay.world_size, same_host=lay.same_host,
+                  shm_ok=lay.shm_ok, max_local=lay.max_local)
+
+
+def group_timeout(group) -> float | None:
+    """The process group's collective timeout in seconds (None when torch hides it)."""
+    pg = group if group is not None else dist.group.WORLD
+    get_backend = getattr(pg, "_get_backend", None)
+    if get_backend is None:
+        return None
+    try:
+        backend = get_backend(torch.device("cpu"))
+    except RuntimeError:  # no CPU backend on this group (NCCL only)
+        return None
+    timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+    return timeout.total_seconds() if isinstance(timeout, timedelta) else None
+
+
+class BackendTransport:
+    """torch's all_reduce on the group's backend (gloo, NCCL): private bucket memory."""
+
+    name = "backend"
+
+    def __init__(self, group):
+        self.group = group
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return default_allocator(numel, dtype, device)
+
+    def all_reduce(self, buffer: torch.Tensor):
+        return dist.all_reduce(buffer, group=self.group, async_op=True)
+
+    def close(self) -> None:
+        pass
+
+
+class RingTransport(BackendTransport):
+    """ddpkit's segmented ring (``ddpkit.comm.all_reduce(algo="ring")``), asynchronous."""
+
+    name = "ring"
+
+    def all_reduce(self, buffer: torch.Tensor):
+        return comm_all_reduce(buffer, op="sum", algo="ring", group=self.group, async_op=True)
+
+
+class ShmTransport:
+    """Buckets in the host's shared segment, summed in place there (see module docstring).
+
+    Created collectively by the engine's constructor, with the group's timeout. Buckets
+    on another device than the CPU stay private and use the backend.
+    """
+
+    name = "shm"
+
+    def __init__(self, group, *, slot_mb: float = SHM_SLOT_MB):
+        timeout = group_timeout(group)
+        options = {"slot_mb": slot_mb} | ({} if timeout is None else {"timeout": timeout})
+        self.group = group
+        self.comm = ShmCommunicator(group, **options)
+        self._private_failed = False
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return default_allocator(numel, dtype, device)
+        try:
+            return self.comm.allocate(numel, dtype)
+        except CommError as exc:  # raised on every rank together: all keep it private
+            if not self._private_failed:
+                log.warning(f"DataParallel comm='shm': a bucket of {numel} elements stays in "
+                            f"private memory and is copied through the shared slots ({exc})")
+                self._private_failed = True
+            return default_allocator(numel, dtype, device)
+
+    def all_reduce(self, buffer: torch.Tensor):
+        if buffer.device.type != "cpu":
+            return dist.all_reduce(buffer, group=self.group, async_op=True)
+        self.comm.all_reduce(buffer, "sum")
+        return None
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+def make(choice: str, group) -> BackendTransport | RingTransport | ShmTransport:
+    """The transport for a resolved choice (collective for ``"shm"``)."""
+    if choice == "backend":
+        return BackendTransport(group)
+    if choice == "ring":
+        return RingTransport(group)
+    if choice == "shm":
+        return ShmTransport(group)
+    raise ConfigError(f"comm must be one of {', '.join(COMM_CHOICES)} or a comm hook, "
+                      f"got {choice!r}")
+
+
+def build(comm: str, device_types: Sequence[str], group):
+    """Resolve ``comm`` and create its transport. ``"auto"`` falls back to the backend
+    (with one warning) where the shared segment cannot be set up; every rank learns that
+    at the same collective, so all fall back together. An explicit ``"shm"`` that cannot
+    work is a one-line error on every rank."""
+    choice = resolve(comm, device_types, group)
+    if choice == "shm" and comm == "shm":
+        lay = auto.layout(group)
+        if not lay.shm_ok:
+            raise ConfigError("comm='shm' needs shared memory (a writable /dev/shm, x86-64) "
+                              "on every rank; use comm='auto' or 'backend'")
+    if choice != "shm":
+        return make(choice, group)
+    try:
+        return make(choice, group)
+    except CommError as exc:
+        if comm == "shm":
+            raise ConfigError(f"comm='shm': {exc}") from None
+        log.warning(f"DataParallel: shared memory unavailable ({exc}); reducing gradients "
+                    "with the backend")
+        return make("backend", group)
