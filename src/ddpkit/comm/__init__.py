@@ -1,10 +1,12 @@
 """ddpkit.comm: collectives with a choice of algorithm, on torch.distributed.
 
-``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast`` and ``reduce`` take
-torch's arguments plus ``algo=``: "ring" (our segmented ring on point-to-point),
-"naive_ring" (the tutorial's unsegmented one), "backend" (torch's own collective),
-"auto", or any name added with :func:`register_algorithm` (e.g. "shm", registered by
-``ddpkit.comm.shm``, same-host shared memory). See docs/collectives.md.
+``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``, ``reduce`` and
+``barrier`` take torch's arguments plus ``algo=``: "auto" (the default: "shm" for CPU
+tensors on one host, "hierarchical" across hosts, "backend" for CUDA tensors; see
+:mod:`ddpkit.comm.auto`), "ring" (our segmented ring on point-to-point), "naive_ring"
+(the tutorial's unsegmented one), "backend" (torch's own collective), "shm",
+"hierarchical", or any name added with :func:`register_algorithm`. See
+docs/collectives.md.
 """
 
 from ddpkit.comm.backend import BackendAlgorithm

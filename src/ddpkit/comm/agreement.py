@@ -6,11 +6,14 @@ called after throwing gloo::EnforceNotMet``), and a broadcast of mismatched size
 "succeeds" with garbage. A rank that refuses a call locally (bad dtype, bad root)
 while its peers go ahead leaves them waiting until the group's timeout.
 
-So each call first all-gathers a few integers describing it (collective, algorithm,
-op, dtype, sizes, root, and whether this rank found a problem). Identical rows mean
-every rank validated the same arguments the same way; anything else becomes the same
-:class:`CommError` on every rank. It costs one tiny all-gather (~0.7 ms with gloo on
-two local ranks); ``check=False`` skips it for callers that guarantee agreement.
+So a call on an algorithm without an in-band channel (the backend, the ring,
+hierarchical across hosts) first all-gathers a few integers describing it (collective,
+algorithm, op, dtype, sizes, root, and whether this rank found a problem). Identical
+rows mean every rank validated the same arguments the same way; anything else becomes
+the same :class:`CommError` on every rank. It costs one tiny all-gather (~0.7 ms with
+gloo on two local ranks); ``check=False`` skips it for callers that guarantee agreement.
+The shm engine carries the same signature inside its own first barrier instead (see
+``ddpkit.comm.shm``), so calls that resolve to it never come here.
 """
 
 from __future__ import annotations

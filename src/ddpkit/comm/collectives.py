@@ -2,9 +2,13 @@
 
 Every call follows the same recipe so that algorithms stay small:
 
-1. validate locally (op, dtype, sizes, root, algorithm), remembering any refusal;
-2. agree with the other ranks on the call's signature (``check=True``), so a refusal
-   or a mismatch becomes the same CommError on every rank before payload moves;
+1. validate locally (op, dtype, sizes, root, algorithm), remembering any refusal, and
+   resolve the algorithm (``"auto"``, the default: :mod:`ddpkit.comm.auto`, decided once
+   per group and device type);
+2. agree with the other ranks on the call's signature, so a refusal or a mismatch
+   becomes the same CommError on every rank before payload moves: in-band where the
+   algorithm synchronises anyway (shm: inside its first barrier, always on), else by
+   the agreement all-gather (``check=True``);
 3. hand the algorithm 1-D contiguous tensors (non-contiguous ones are copied into a
    contiguous buffer and the result copied back, so they are *handled*, not refused);
 4. finish "avg" as a sum divided by the group size (gloo has no AVG, and algorithms
