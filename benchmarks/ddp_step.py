@@ -1,23 +1,29 @@
-"""One training step of an 8.4M-parameter MLP: single process vs torch DDP vs naive vs ddpkit.
+"""One training step of an 8.4M-parameter MLP: torch DDP and its variants vs ddpkit.
 
-All variants run side by side in the same two processes (gloo, one thread per rank),
-interleaved round by round so machine noise hits them alike:
+All variants run side by side in the same processes (gloo, one thread per rank),
+interleaved round by round so machine noise hits them alike; the order of the variants
+rotates by one every round (none always runs first, or right after another), and every
+round trains on freshly generated batches (the same for all variants of the round):
 
-* single  - rank 0 trains alone (no communication) while the other ranks wait;
-* local   - every rank trains its own copy at the same time, no communication: the
-            compute-only ceiling of scaling efficiency on this machine (opt-in);
-* torch   - torch.nn.parallel.DistributedDataParallel (defaults);
-* naive   - the tutorial's average_gradients(): one blocking all_reduce per parameter
-            after backward, then divide;
-* ddpkit  - ddpkit.DataParallel (optionally with --hook: allreduce, ring, fp16_compress,
-            bf16_compress, shm).
+* single    - rank 0 trains alone (no communication) while the other ranks wait;
+* local     - every rank trains its own copy at the same time, no communication: the
+              compute-only ceiling of scaling efficiency on this machine;
+* torch     - torch.nn.parallel.DistributedDataParallel(model), defaults;
+* torch_gbv - torch DDP with gradient_as_bucket_view=True;
+* torch_shm - torch DDP with ddpkit's shared-memory comm hook (ddpkit.comm.shm.shm_hook):
+              torch's reducer on ddpkit's transport;
+* naive     - the tutorial's average_gradients(): one blocking all_reduce per parameter
+              after backward, then divide (opt-in);
+* ddpkit    - ddpkit.DataParallel(model), defaults (or --comm / --hook);
+* ddpkit_backend - ddpkit.DataParallel(model, comm="backend"): gloo, as torch (opt-in).
 
 Reported: median step time (zero_grad + forward + backward + SGD step) on rank 0, the
-ratio to torch DDP, scaling efficiency = W-rank throughput / (W x one-rank throughput)
-= t_single / t_variant, and whether parameters after the same steps are bit-identical
-to torch DDP's (and across ranks).
+ratio to torch DDP and to torch_shm, scaling efficiency against one process
+(t_single / t_variant) and against the compute-only ceiling (t_local / t_variant), and
+whether parameters after the same steps are bit-identical to torch DDP's (and across
+ranks).
 
-Run:  python benchmarks/ddp_step.py [--rounds 5 --steps 6 --hook shm --json out.json]
+Run:  python benchmarks/ddp_step.py [--rounds 9 --steps 6 --comm shm --json out.json]
 """
 
 from __future__ import annotations
@@ -57,9 +63,9 @@ def naive_average_gradients(model: nn.Module) -> None:
         p.grad.data /= size
 
 
-def ddpkit_options(hook: str | None) -> dict:
+def ddpkit_options(hook: str | None, comm: str | None) -> dict:
     if hook is None:
-        return {}
+        return {} if comm is None else {"comm": comm}
     if hook == "shm":
         from ddpkit.comm.shm.hook import ShmState, shm_hook
 
@@ -69,30 +75,52 @@ def ddpkit_options(hook: str | None) -> dict:
     return {"comm_hook": HOOKS[hook]}
 
 
+def make_batches(batch: int, rank: int, round_index: int) -> list:
+    g = torch.Generator().manual_seed(1000 * round_index + 1 + rank)
+    return [(torch.randn(batch, SIZES[0], generator=g),
+             torch.randint(0, SIZES[-1], (batch,), generator=g)) for _ in range(4)]
+
+
+def build(name: str, base: nn.Module, opts: dict) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = copy.deepcopy(base)
+    cap = {} if opts["bucket_cap_mb"] is None else {"bucket_cap_mb": opts["bucket_cap_mb"]}
+    if name in ("single", "local", "naive"):
+        return model
+    if name == "torch":
+        return DDP(model, **cap)
+    if name == "torch_gbv":
+        return DDP(model, gradient_as_bucket_view=True, **cap)
+    if name == "torch_shm":
+        from ddpkit.comm.shm.hook import ShmState, shm_hook
+
+        ddp = DDP(model, **cap)
+        ddp.register_comm_hook(ShmState(), shm_hook)
+        return ddp
+    if name == "ddpkit":
+        return ddpkit.DataParallel(model, **cap, **ddpkit_options(opts["hook"], opts["comm"]))
+    if name == "ddpkit_backend":
+        return ddpkit.DataParallel(model, comm="backend", **cap)
+    raise SystemExit(f"ddp_step: unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+
+
+VARIANTS = ("single", "local", "torch", "torch_gbv", "torch_shm", "naive", "ddpkit",
+            "ddpkit_backend")
+
+
 def worker(world: ddpkit.World, opts: dict) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     base = make_mlp()
     W, rank = world.world_size, world.rank
-    g = torch.Generator().manual_seed(1 + rank)
-    batches = [(torch.randn(opts["batch"], SIZES[0], generator=g),
-                torch.randint(0, SIZES[-1], (opts["batch"],), generator=g)) for _ in range(4)]
-
-    cap = opts["bucket_cap_mb"]
-    models = {
-        "single": copy.deepcopy(base),
-        "local": copy.deepcopy(base),
-        "torch": ddpkit.parallel.data_parallel(copy.deepcopy(base), engine="torch",
-                                               bucket_cap_mb=cap),
-        "naive": copy.deepcopy(base),
-        "ddpkit": ddpkit.parallel.data_parallel(copy.deepcopy(base), engine="ddpkit",
-                                                bucket_cap_mb=cap or 25.0,
-                                                **ddpkit_options(opts["hook"])),
-    }
-    names = [n for n in opts["variants"] if n in models]
+    names = list(opts["variants"])
+    models = {n: build(n, base, opts) for n in names}
     optimizers = {n: torch.optim.SGD(models[n].parameters(), lr=0.01) for n in names}
-    steps_done = dict.fromkeys(names, 0)
+    steps_done: dict[str, int] = {}
     times: dict[str, list[float]] = {n: [] for n in names}
+
+    batches: list = []
 
     def step(name: str) -> float:
         model, opt = models[name], optimizers[name]
@@ -108,7 +136,10 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
         return elapsed
 
     for round_index in range(opts["rounds"]):
-        for name in names:
+        batches = make_batches(opts["batch"], rank, round_index)
+        steps_done = dict.fromkeys(names, 0)
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
             dist.barrier()
             n = opts["steps"] + (opts["warmup"] if round_index == 0 else 0)
             if name == "single" and rank != 0:
@@ -136,59 +167,78 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
     dist.all_gather_object(gathered, checksums)
     replicas_equal = {n: len({c[n] for c in gathered}) == 1 for n in checksums}
     return {"times": times, "equal_to_torch": equal_to_torch, "replicas_equal": replicas_equal,
-            "steps_done": steps_done}
+            "comm": {n: getattr(models[n], "comm", None) for n in names}}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--batch", type=int, default=64, help="samples per rank per step")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--steps", type=int, default=6, help="timed steps per variant per round")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-cap-mb", type=float, default=None,
-                   help="bucket cap for torch DDP and ddpkit (default: each engine's 25 MiB)")
+                   help="bucket cap for every DDP variant (default: each engine's own, 25 MiB)")
+    p.add_argument("--comm", default=None, choices=["auto", "backend", "ring", "shm"],
+                   help="DataParallel(comm=...) of the ddpkit variant (default: its default)")
     p.add_argument("--hook", default=None,
                    choices=["allreduce", "ring", "fp16_compress", "bf16_compress", "shm"],
-                   help="comm hook for the ddpkit variant")
-    p.add_argument("--variants", default="single,torch,naive,ddpkit")
+                   help="comm hook for the ddpkit variant instead")
+    p.add_argument("--variants", default="single,local,torch,torch_gbv,torch_shm,ddpkit",
+                   help=f"comma-separated, of: {', '.join(VARIANTS)}")
     p.add_argument("--json", default=os.path.join("benchmarks", "results", "ddp_step.json"))
     args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     opts = {"batch": args.batch, "rounds": args.rounds, "steps": args.steps,
             "warmup": args.warmup, "bucket_cap_mb": args.bucket_cap_mb, "hook": args.hook,
-            "variants": args.variants.split(",")}
+            "comm": args.comm, "variants": variants}
     n_params = sum(p.numel() for p in make_mlp().parameters())
     print(f"ddp_step: MLP {'-'.join(map(str, SIZES))} ({n_params / 1e6:.1f}M params), "
           f"batch {args.batch}/rank, {args.world_size} ranks gloo, 1 thread/rank, "
-          f"hook={args.hook or 'none'}", file=sys.stderr)
+          f"ddpkit comm={args.comm or 'default'} hook={args.hook or 'none'}", file=sys.stderr)
+    load_before = os.getloadavg()
     results = ddpkit.spawn(worker, nprocs=args.world_size, args=(opts,))
+    load_after = os.getloadavg()
     r0 = results[0]
     medians = {n: statistics.median(ts) * 1e3 for n, ts in r0["times"].items() if ts}
-    torch_ms = medians.get("torch")
-    single_ms = medians.get("single")
+    ref = {k: medians.get(k) for k in ("torch", "torch_shm", "single", "local")}
+
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+
     rows = []
-    print(f"\n{'variant':8} {'median ms':>10} {'vs torch':>9} {'scaling eff':>12} "
-          f"{'== torch params':>16} {'replicas equal':>15}")
+    columns = ("median ms", "vs torch", "vs torch_shm", "eff single", "eff local",
+               "== torch", "replicas ==")
+    print(f"\n{'variant':15}" + "".join(f"{c:>13}" for c in columns))
     for name, ms in medians.items():
-        row = {"variant": name, "median_ms": round(ms, 2),
-               "vs_torch": round(ms / torch_ms, 3) if torch_ms else None,
-               "scaling_efficiency": (round(single_ms / ms, 3)
-                                      if single_ms and name != "single" else None),
+        compute_only = name in ("single", "local")
+        row = {"variant": name, "comm": r0["comm"].get(name), "median_ms": round(ms, 2),
+               "vs_torch": ratio(ms, ref["torch"]),
+               "vs_torch_shm": ratio(ms, ref["torch_shm"]),
+               "efficiency_vs_single": None if name == "single" else ratio(ref["single"], ms),
+               "efficiency_vs_local": None if compute_only else ratio(ref["local"], ms),
                "bitwise_equal_to_torch": r0["equal_to_torch"].get(name),
-               "replicas_equal": all(r["replicas_equal"].get(name, True) for r in results),
+               "replicas_equal": (None if compute_only else
+                                  all(r["replicas_equal"].get(name, True) for r in results)),
                "samples": len(r0["times"][name])}
         rows.append(row)
 
-        def fmt(v, width):
+        def fmt(v):
             text = "-" if v is None else str(v) if isinstance(v, bool) else f"{v:.3f}"
-            return f"{text:>{width}}"
+            return f"{text:>13}"
 
-        print(f"{name:8} {ms:10.1f} {fmt(row['vs_torch'], 9)} "
-              f"{fmt(row['scaling_efficiency'], 12)} "
-              f"{fmt(row['bitwise_equal_to_torch'], 16)} {fmt(row['replicas_equal'], 15)}")
+        print(f"{name:15}{ms:13.1f}" + "".join(fmt(row[k]) for k in (
+            "vs_torch", "vs_torch_shm", "efficiency_vs_single", "efficiency_vs_local",
+            "bitwise_equal_to_torch", "replicas_equal")))
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
+          f"({os.cpu_count()} cores)")
     report = {"benchmark": "ddp_step", "argv": sys.argv[1:], "model_params": n_params,
               "world_size": args.world_size, "batch_per_rank": args.batch, "hook": args.hook,
-              "torch": torch.__version__, "rows": rows, "steps_done": r0["steps_done"]}
+              "comm": args.comm, "torch": torch.__version__, "rows": rows,
+              "loadavg_before": load_before, "loadavg_after": load_after}
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
