@@ -51,6 +51,7 @@ LAYERS = {
     "test_shm.py": MULTIPROCESS,
     "test_train_fault_api.py": MULTIPROCESS,
     "test_train_metrics.py": MULTIPROCESS,
+    "test_train_recipe.py": MULTIPROCESS,
     "test_train_resume.py": MULTIPROCESS,
     "test_verify.py": MULTIPROCESS,
     "test_comm_bench.py": E2E,
@@ -119,6 +120,7 @@ SLOW = {
     "test_train_fault.py": {"test_killed_worker_is_restarted_and_the_run_ends_bit_identical",
                             "test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_matches",
                             "test_a_rank_that_stops_arriving_is_named_within_the_timeout"},
+    "test_train_recipe.py": {"test_user_factories_train_the_users_module_on_the_users_data"},
     # 1.4 s, nearly all of it the first import of torch._dynamo (by torch.optim.SGD).
     "test_train_resume.py": {"test_workers_refuse_a_checkpoint_written_with_other_settings"},
 }

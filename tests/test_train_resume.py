@@ -50,6 +50,28 @@ def test_resume_from_any_step_matches_the_uninterrupted_run(pools, save_at):
         assert all(torch.equal(a, b) for a, b in zip(p_full, p_res, strict=True))
 
 
+# AdamW, cosine after warm-up, 2 batches per step: 5 steps per epoch, the last of an
+# epoch has 2 batches, the last of them padded. Resumed mid-epoch, at an epoch's end
+# (the step where the warm-up ends is 3) and in epoch 2.
+RECIPE = resolve({"data": "synthetic", "synthetic_size": 299, "batch_size": 32, "epochs": 2,
+                  "threads": 1, "optimizer": "adamw", "lr": 0.01, "weight_decay": 0.01,
+                  "lr_schedule": "cosine", "warmup_steps": 3, "grad_accum": 2,
+                  "clip_grad_norm": 0.5}).to_dict()
+
+
+@pytest.mark.parametrize("save_at", [2, 5, 7])
+def test_resume_with_adamw_cosine_and_grad_accum_matches_the_uninterrupted_run(pools, save_at):
+    full = pools(2).run(_run, RECIPE, save_at)
+    assert full[0][2] == list(range(1, 11))
+    state = full[0][1]
+    assert state["loop"]["step"] == save_at
+    assert state["optimizer"]["state"] and "exp_avg_sq" in state["optimizer"]["state"][0]
+    resumed = pools(2).run(_run, RECIPE, -1, state)
+    for (p_full, _, _), (p_res, _, executed) in zip(full, resumed, strict=True):
+        assert executed == list(range(save_at + 1, 11))
+        assert all(torch.equal(a, b) for a, b in zip(p_full, p_res, strict=True))
+
+
 def test_workers_refuse_a_checkpoint_written_with_other_settings(tmp_path):
     """Trainer.restore applies the launcher's rule (refuse_changed_config) for itself, so
     a worker started by another launcher cannot continue a run under other settings."""

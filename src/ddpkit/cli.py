@@ -26,8 +26,16 @@ def package_version() -> str:
         return "unknown"
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag or value is one line (not argparse's usage block first), exit 2.
+    Subcommand parsers are of the same class."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ddpkit", description="Distributed data-parallel training on PyTorch."
     )
     parser.add_argument("--version", action="version", version=f"ddpkit {package_version()}")

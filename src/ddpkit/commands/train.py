@@ -65,7 +65,9 @@ def prepare_run_dir(cfg: Config, run_dir: str | None, single_node: bool,
     report.check_out_dir(cfg.train.out_dir)
     if not single_node:
         return None
-    tag = f"{cfg.data.name}-{cfg.model.name}-w{world_size}"
+    from ddpkit.train.recipe import short_name
+
+    tag = f"{short_name(cfg.data.name)}-{short_name(cfg.model.name)}-w{world_size}"
     return report.new_run_dir(cfg.train.out_dir, tag)
 
 

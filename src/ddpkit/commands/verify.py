@@ -31,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.errors import ConfigError
     from ddpkit.launch import launch
     from ddpkit.train.prelaunch import check_data, check_world_size, quiet_omp_warning
-    from ddpkit.train.verify import VerifyResult, run_from_args
+    from ddpkit.train.verify import VerifyResult, check_plain_steps, run_from_args
     from ddpkit.world import World
 
     if World.from_env(require_master_addr=False).source != "single":
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     check_world_size(cfg, opts)
     check_data(cfg)
+    check_plain_steps(cfg)
     opts.module = True
     quiet_omp_warning(opts)
     with tempfile.TemporaryDirectory(prefix="ddpkit-verify-") as tmp:

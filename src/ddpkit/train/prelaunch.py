@@ -9,6 +9,7 @@ from ddpkit.data.datasets import DATASETS, load_dataset
 from ddpkit.data.partition import local_batch_size
 from ddpkit.errors import ConfigError
 from ddpkit.launch import default_nproc
+from ddpkit.train import recipe
 from ddpkit.train.config import Config
 from ddpkit.train.models import build_model
 
@@ -30,7 +31,13 @@ def check_world_size(cfg: Config, opts) -> None:
 
 
 def check_data(cfg: Config) -> None:
-    """A model that does not fit the data, or a missing or malformed dataset."""
+    """A model that does not fit the data, or a missing or malformed dataset; for the
+    user's own factories (package.module:factory), that their modules are there."""
+    for name, flag in ((cfg.data.name, "--data"), (cfg.model.name, "--model")):
+        if recipe.is_factory(name):
+            recipe.find_factory_module(name, flag)
+    if recipe.is_factory(cfg.data.name) or recipe.is_factory(cfg.model.name):
+        return  # shapes are known only once the workers build them
     spec = DATASETS[cfg.data.name]
     build_model(cfg.model.name, spec.input_shape, spec.num_classes, hidden=cfg.model.hidden)
     if cfg.data.name == "mnist":  # the only one read from the user's files

@@ -55,17 +55,16 @@ from ddpkit.checkpoint import (
     config_fingerprint,
     restore_state,
 )
-from ddpkit.data.datasets import ArrayDataset, load_dataset
+from ddpkit.data.datasets import ArrayDataset
 from ddpkit.data.partition import ShardBatch, ShardSampler
 from ddpkit.errors import ConfigError
 from ddpkit.fault import PreemptionGuard, ProgressBoard, Watchdog, set_collective_timeout
 from ddpkit.log import get_logger
 from ddpkit.parallel import data_parallel
 from ddpkit.runtime import DEFAULT_TIMEOUT
-from ddpkit.train import report
+from ddpkit.train import recipe, report
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums, gather_floats
-from ddpkit.train.models import build_model
 from ddpkit.train.resume import refuse_changed_config
 from ddpkit.train.sample_log import SampleLog, truncate_sample_logs
 from ddpkit.world import World
@@ -132,15 +131,13 @@ class Trainer:
         t = cfg.train
         torch.set_num_threads(t.threads or default_threads(world))
         self.device = torch.device(world.device)
-        train_set, test_set = datasets or load_dataset(
-            cfg.data.name, cfg.data.data_dir, synthetic_size=cfg.data.synthetic_size
-        )
+        train_set, test_set = datasets or recipe.load_data(cfg.data)
         self.train_set = _to_device(train_set, self.device)
         self.test_set = _to_device(test_set, self.device)
 
         torch.manual_seed(t.seed)  # same initial weights on every rank (and vs. 1 process)
-        module = build_model(cfg.model.name, train_set.input_shape, train_set.num_classes,
-                             hidden=cfg.model.hidden).to(self.device)
+        module = recipe.build_model(cfg.model, train_set.input_shape,
+                                    train_set.num_classes).to(self.device)
         # The model is already on self.device and so are the batches, so neither engine
         # needs device_ids (torch DDP infers a single-device module's device).
         self.model = (wrap(module, t.engine, self.device) if wrap is not None
@@ -149,9 +146,10 @@ class Trainer:
         self.engine = "torch" if type(self.model).__module__.startswith("torch.") else t.engine
         # Dropout masks should differ between ranks but still follow from the seed.
         torch.manual_seed(t.seed + 1 + world.rank)
-        self.optimizer = torch.optim.SGD(unwrap(self.model).parameters(), lr=cfg.optim.lr,
-                                         momentum=cfg.optim.momentum,
-                                         weight_decay=cfg.optim.weight_decay)
+        self.optimizer = recipe.build_optimizer(unwrap(self.model).parameters(), cfg.optim)
+        self.precision = recipe.Precision(t.precision, self.device)
+        self.total_steps = t.epochs * recipe.steps_per_epoch(
+            len(train_set), t.batch_size, t.grad_accum, cfg.data.drop_last)
         self.sampler = ShardSampler(train_set, global_batch_size=t.batch_size,
                                     num_replicas=world.world_size, rank=world.rank,
                                     seed=t.seed, drop_last=cfg.data.drop_last)
@@ -194,7 +192,8 @@ class Trainer:
                     Path(run_dir).mkdir(parents=True, exist_ok=True)
                     proposal[0] = str(run_dir)
                 else:
-                    tag = f"{self.cfg.data.name}-{self.cfg.model.name}-w{self.world.world_size}"
+                    tag = (f"{recipe.short_name(self.cfg.data.name)}-"
+                           f"{recipe.short_name(self.cfg.model.name)}-w{self.world.world_size}")
                     proposal[0] = str(report.new_run_dir(self.cfg.train.out_dir, tag))
             except ConfigError as err:
                 proposal[2] = str(err)
@@ -250,12 +249,14 @@ class Trainer:
         self.loop.sampler = self.sampler.state_dict()
         return {"model": unwrap(self.model).state_dict(),
                 "optimizer": self.optimizer.state_dict(),
+                "precision": self.precision.state_dict(),
                 "loop": self.loop.state_dict(),
                 "epoch_sums": self._sums.values() if self._sums else [0.0, 0.0, 0.0]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state.get("precision"))
         self.loop.load_state_dict(state["loop"])
         self.sampler.load_state_dict(self.loop.sampler)
         if "epoch_sums" in state:
@@ -273,6 +274,7 @@ class Trainer:
                 model=self.model, optimizer=self.optimizer, step=self.loop.step,
                 epoch=self.loop.epoch, config=identity,
                 extra={"loop": self.state_dict()["loop"],
+                       "precision": self.precision.state_dict(),
                        "epoch_sums": _gather_lists(mine, self.device)},
             )
             path = self.checkpointer.save(
@@ -317,6 +319,7 @@ class Trainer:
         refuse_changed_config(state["config"], self.cfg, f"{source} in {self.checkpointer.dir}")
         info = restore_state(state, model=self.model, optimizer=self.optimizer, source=source)
         self.loop.load_state_dict(extra["loop"])
+        self.precision.load_state_dict(extra.get("precision"))
         self.sampler.load_state_dict(self.loop.sampler)
         sums = extra.get("epoch_sums") or []
         if len(sums) == self.world.world_size:
@@ -358,16 +361,18 @@ class Trainer:
         bar = self._progress(epoch, total)
         start = time.perf_counter()
         seen = 0
-        for batch in batches:
+        for group in recipe.accumulation_groups(batches, self.cfg.train.grad_accum):
             with self._guard(self.loop.step + 1, "train_step"):
-                self.train_step(batch, sums)
+                self.train_step(group, sums)
             self.loop.step += 1
             self.loop.sampler = self.sampler.state_dict()
             if self.sample_log is not None:
-                self.sample_log.write(self.loop.step, epoch, batch.indices[: batch.num_real])
-            seen += batch.global_num_real
+                self.sample_log.write(self.loop.step, epoch,
+                                      [i for b in group for i in b.indices[: b.num_real]])
+            num_real = sum(b.global_num_real for b in group)
+            seen += num_real
             if bar is not None:
-                bar.update(batch.global_num_real)
+                bar.update(num_real)
             for callback in self.step_callbacks:
                 callback(self)
             if self._at_step_boundary(epoch_done=self.sampler.epoch != epoch):
@@ -415,18 +420,27 @@ class Trainer:
             self.save_checkpoint("periodic")
         return False
 
-    def train_step(self, batch: ShardBatch, sums: MetricSums) -> None:
-        x, y = self.train_set.batch(batch.indices)
+    def train_step(self, group: ShardBatch | list[ShardBatch], sums: MetricSums) -> None:
+        """One optimizer step over ``group``'s batches (several with --grad-accum)."""
+        group = group if isinstance(group, list) else [group]
+        o = self.cfg.optim
         self.optimizer.zero_grad(set_to_none=True)
-        # Every rank runs forward/backward on its whole batch, padding included, so the
-        # engine's collectives line up; only real samples carry loss.
-        out = self.model(x)
-        losses = F.nll_loss(out, y, reduction="none")[: batch.num_real]
-        scale = self.world.world_size / batch.global_num_real
-        (losses.sum() * scale).backward()
-        self.optimizer.step()
-        correct = out[: batch.num_real].argmax(dim=1) == y[: batch.num_real]
-        sums.add(losses, correct)
+        recipe.set_lr(self.optimizer, recipe.lr_at(self.loop.step, o.lr, o.lr_schedule,
+                                                   o.warmup_steps, self.total_steps))
+        # The step's loss is the mean over every real sample of its global batches.
+        scale = self.world.world_size / sum(b.global_num_real for b in group)
+        for i, batch in enumerate(group):
+            x, y = self.train_set.batch(batch.indices)
+            # Every rank runs forward/backward on its whole batch, padding included, so the
+            # engine's collectives line up; only real samples carry loss.
+            with recipe.no_sync(self.model, last=i == len(group) - 1):
+                with self.precision.autocast():
+                    out = self.model(x)
+                losses = F.nll_loss(self.precision.full(out), y, reduction="none")[: batch.num_real]
+                self.precision.backward(losses.sum() * scale)
+            correct = out[: batch.num_real].argmax(dim=1) == y[: batch.num_real]
+            sums.add(losses.detach(), correct)
+        self.precision.step(self.optimizer, unwrap(self.model).parameters(), o.clip_grad_norm)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
@@ -437,8 +451,10 @@ class Trainer:
         self.test_sampler.set_epoch(0)
         for batch in self.test_sampler.batches():
             x, y = self.test_set.batch(batch.indices[: batch.num_real])
-            out = model(x)
-            sums.add(F.nll_loss(out, y, reduction="none"), out.argmax(dim=1) == y)
+            with self.precision.autocast():
+                out = model(x)
+            sums.add(F.nll_loss(self.precision.full(out), y, reduction="none"),
+                     out.argmax(dim=1) == y)
         with self._guard(self.loop.step, "test_metrics"):
             totals = sums.reduce()
         model.train()

@@ -28,14 +28,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpkit.data.datasets import ArrayDataset, load_dataset
+from ddpkit.data.datasets import ArrayDataset
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
 from ddpkit.runtime import distributed
+from ddpkit.train import recipe
 from ddpkit.train.config import Config
 from ddpkit.train.entry import run_entry
 from ddpkit.train.metrics import MetricSums
-from ddpkit.train.models import build_model
 from ddpkit.train.options import (
     add_resolved_config,
     add_train_options,
@@ -108,12 +108,10 @@ def reference_parameters(cfg: Config, train_set: ArrayDataset, steps: int,
     """Plain single-process SGD over the same global batches (no engine, no collectives)."""
     torch.manual_seed(cfg.train.seed)
     with default_dtype(dtype):
-        model = build_model(cfg.model.name, train_set.input_shape, train_set.num_classes,
-                            hidden=cfg.model.hidden)
+        model = recipe.build_model(cfg.model, train_set.input_shape, train_set.num_classes)
     model.train()
     _no_dropout(model)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum,
-                          weight_decay=cfg.optim.weight_decay)
+    opt = recipe.build_optimizer(model.parameters(), cfg.optim)
     sampler = ShardSampler(train_set, global_batch_size=cfg.train.batch_size, num_replicas=1,
                            rank=0, seed=cfg.train.seed, drop_last=cfg.data.drop_last)
     taken = 0
@@ -129,6 +127,16 @@ def reference_parameters(cfg: Config, train_set: ArrayDataset, steps: int,
     return [p.detach().clone() for p in model.parameters()]
 
 
+def check_plain_steps(cfg: Config) -> None:
+    """verify's reference takes plain optimizer steps: refuse what it does not model."""
+    o, t = cfg.optim, cfg.train
+    if (o.lr_schedule, o.warmup_steps, o.clip_grad_norm, t.grad_accum, t.precision) != (
+            "constant", 0, None, 1, "fp32"):
+        raise ConfigError("ddpkit verify compares plain optimizer steps: leave out "
+                          "--lr-schedule, --warmup-steps, --clip-grad-norm, --grad-accum "
+                          "and --precision")
+
+
 def verify(cfg: Config, world: World, *, steps: int = 10, dtype: str = "float32",
            wrap: Wrap | None = None) -> VerifyResult | None:
     """Run on every rank of an initialized group; rank 0 gets the result, others None."""
@@ -136,9 +144,9 @@ def verify(cfg: Config, world: World, *, steps: int = 10, dtype: str = "float32"
         raise ConfigError(f"--steps must be >= 1, got {steps}")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    check_plain_steps(cfg)
     torch_dtype = DTYPES[dtype]
-    datasets = _cast(load_dataset(cfg.data.name, cfg.data.data_dir,
-                                  synthetic_size=cfg.data.synthetic_size), torch_dtype)
+    datasets = _cast(recipe.load_data(cfg.data), torch_dtype)
     with default_dtype(torch_dtype):
         trainer = Trainer(cfg, world, datasets=datasets, wrap=wrap, write=False)
     trainer.model.train()
