@@ -35,7 +35,7 @@ from typing import Any
 
 from ddpkit.data.datasets import DATASETS
 from ddpkit.errors import ConfigError
-from ddpkit.parallel import ENGINES
+from ddpkit.parallel import COMM_CHOICES, ENGINES
 from ddpkit.train.models import MODELS
 from ddpkit.train.recipe import OPTIMIZERS, PRECISIONS, SCHEDULES, check_factory_spec
 
@@ -115,6 +115,9 @@ class TrainConfig:
     seed: int = flag("--seed", "seed for weights and data order", default=1234)
     engine: str = flag("--engine", "data-parallel engine: ddpkit's DataParallel or torch's "
                        "DDP", default="ddpkit", choices=ENGINES)
+    comm: str = flag("--comm", "how gradient buckets are all-reduced: auto (shared memory "
+                     "for CPU ranks on one host, the backend otherwise), backend, ring or shm "
+                     "(default: auto)", default="auto", metavar="COMM")
     out_dir: str = flag("--out-dir", "parent of the new run directory (default: runs/)",
                         default="runs")
     progress: bool = flag("--no-progress", "no progress bar", default=True)
@@ -238,6 +241,8 @@ class Config:
             raise bad("--seed", f"must be >= 0, got {t.seed}")
         if t.engine not in ENGINES:
             raise bad("--engine", f"{t.engine!r} is not one of {', '.join(ENGINES)}")
+        if t.comm not in COMM_CHOICES:
+            raise bad("--comm", f"{t.comm!r} is not one of {', '.join(COMM_CHOICES)}")
         if t.threads < 0:
             raise bad("train.threads", f"must be >= 0, got {t.threads}")
         if not t.out_dir:

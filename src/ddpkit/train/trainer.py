@@ -141,7 +141,7 @@ class Trainer:
         # The model is already on self.device and so are the batches, so neither engine
         # needs device_ids (torch DDP infers a single-device module's device).
         self.model = (wrap(module, t.engine, self.device) if wrap is not None
-                      else data_parallel(module, engine=t.engine))
+                      else data_parallel(module, engine=t.engine, comm=t.comm))
         # What actually runs: a custom ``wrap`` may not use the engine requested.
         self.engine = "torch" if type(self.model).__module__.startswith("torch.") else t.engine
         # Dropout masks should differ between ranks but still follow from the seed.
