@@ -60,6 +60,7 @@ LAYERS = {
     "test_examples.py": E2E,
     "test_launch.py": E2E,
     "test_launch_torchrun.py": E2E,
+    "test_migrating.py": E2E,
     "test_mpi.py": E2E,
     "test_multinode.py": E2E,
     "test_slurm.py": E2E,
@@ -99,6 +100,10 @@ SLOW = {
                                 "test_output_options_same_console_and_log_files",
                                 "test_failing_rank_is_named_with_its_role",
                                 "test_unknown_flag_is_one_line_as_torchrun_also_refuses_it"},
+    "test_migrating.py": {
+        "test_torch_ddp_script_with_one_import_changed_trains_as_under_torchrun",
+        "test_mp_spawn_program_and_its_ddpkit_version_train_the_same_under_spawn_and_launch",
+        "test_accelerate_style_script_on_two_processes_equals_one_and_gathers_metrics"},
     "test_logging.py": {"test_import_adds_only_a_null_handler_and_keeps_propagation",
                         "test_basicconfig_file_sees_ddpkit_messages",
                         "test_cli_marked_processes_log_to_stderr"},
