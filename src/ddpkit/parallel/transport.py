@@ -24,6 +24,7 @@ inside each host and between one leader per host over the backend.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -134,18 +135,34 @@ class ShmTransport:
         self.group = group
         self.comm = ShmCommunicator(group, **options)
         self._private_failed = False
+        self._shared: list[weakref.ref] = []  # bucket buffers placed in the segment
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory lies in a bucket buffer this transport placed in
+        shared memory."""
+        start = tensor.data_ptr()
+        stop = start + tensor.numel() * tensor.element_size()
+        self._shared = [ref for ref in self._shared if ref() is not None]
+        for ref in self._shared:
+            buf = ref()
+            if buf is not None and buf.data_ptr() <= start and (
+                    stop <= buf.data_ptr() + buf.numel() * buf.element_size()):
+                return True
+        return False
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type != "cpu":
             return default_allocator(numel, dtype, device)
         try:
-            return self.comm.allocate(numel, dtype)
+            buffer = self.comm.allocate(numel, dtype)
         except CommError as exc:  # raised on every rank together: all keep it private
             if not self._private_failed:
                 log.warning(f"DataParallel comm='shm': a bucket of {numel} elements stays in "
                             f"private memory and is copied through the shared slots ({exc})")
                 self._private_failed = True
             return default_allocator(numel, dtype, device)
+        self._shared.append(weakref.ref(buffer))
+        return buffer
 
     def all_reduce(self, buffer: torch.Tensor):
         if buffer.device.type != "cpu":
