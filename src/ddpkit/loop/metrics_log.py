@@ -1,0 +1,165 @@
+"""Per-step metric records, written by rank 0: JSON lines always, CSV and TensorBoard
+on request.
+
+``<run dir>/metrics.jsonl`` gets one JSON object per record; every record has a
+``step``. ``csv`` adds ``metrics.csv`` (one row per record; the header is the union of
+the keys seen, rewritten when a new key appears), ``tensorboard`` adds event files
+under ``tb/`` (needs the optional ``tensorboard`` package: ``pip install
+'ddpkit[tensorboard]'``).
+
+Replay after a resume: the steps after the checkpoint are trained again, so their old
+records go. :func:`truncate_records` keeps the records of steps ``<=`` the
+checkpoint's step (and drops a line cut short by a crash); TensorBoard is told the same
+with ``purge_step``.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from ddpkit.errors import ConfigError
+
+JSONL_FILE = "metrics.jsonl"
+CSV_FILE = "metrics.csv"
+TB_DIR = "tb"
+WRITERS = ("jsonl", "csv", "tensorboard")
+
+
+def check_writers(log_with: Iterable[str]) -> tuple[str, ...]:
+    """The writers asked for, checked before any process does work (jsonl is implied)."""
+    names = [w.strip() for w in log_with if w.strip()]
+    unknown = [w for w in names if w not in WRITERS]
+    if unknown:
+        raise ConfigError(f"unknown metric writer(s) {unknown}; choose from {', '.join(WRITERS)}")
+    if "tensorboard" in names and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("logging to tensorboard needs the tensorboard package; install it "
+                          "with: pip install 'ddpkit[tensorboard]' (or log with csv)")
+    return tuple(dict.fromkeys(["jsonl", *names]))
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/inf: write them as null instead of producing invalid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file, skipping a line cut short by a crash."""
+    out = []
+    path = Path(path)
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def truncate_records(run_dir: str | os.PathLike, step: int) -> None:
+    """Keep the records of steps ``<= step`` in metrics.jsonl and metrics.csv."""
+    run_dir = Path(run_dir)
+    jsonl = run_dir / JSONL_FILE
+    if jsonl.exists():
+        kept = [r for r in read_records(jsonl) if int(r.get("step", 0)) <= step]
+        _replace(jsonl, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+    table = run_dir / CSV_FILE
+    if table.exists():
+        with table.open(newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        fields = list(rows[0].keys()) if rows else []
+        kept_rows = [r for r in rows if r.get("step") and int(float(r["step"])) <= step]
+        _write_csv(table, fields, kept_rows)
+
+
+def _write_csv(path: Path, fields: list[str], rows: list[Mapping[str, Any]]) -> None:
+    tmp = path.with_suffix(".csv.tmp")
+    with tmp.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+    os.replace(tmp, path)
+
+
+class MetricLog:
+    """Rank 0's writers for one run directory. ``start_step``: the step the run resumed
+    from (0 for a fresh run); records of later steps are replaced as they are replayed."""
+
+    def __init__(self, run_dir: str | os.PathLike, log_with: Iterable[str] = ("jsonl",),
+                 start_step: int = 0):
+        self.dir = Path(run_dir)
+        self.writers = check_writers(log_with)
+        self._jsonl: IO[str] | None = None
+        self._csv_fields: list[str] | None = None
+        self._tb = None
+        if "tensorboard" in self.writers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: events of the steps being replayed are dropped from the view.
+            self._tb = SummaryWriter(str(self.dir / TB_DIR), purge_step=start_step + 1)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        record = _clean(dict(record))
+        if self._jsonl is None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = (self.dir / JSONL_FILE).open("a")
+        self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
+        self._jsonl.flush()
+        if "csv" in self.writers:
+            self._write_csv(record)
+        if self._tb is not None:
+            step = int(record["step"])
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+
+    def _write_csv(self, record: dict[str, Any]) -> None:
+        path = self.dir / CSV_FILE
+        if self._csv_fields is None and path.exists():
+            with path.open(newline="") as fh:
+                self._csv_fields = next(csv.reader(fh), [])
+        fields = self._csv_fields or []
+        scalars = {k: v for k, v in record.items() if not isinstance(v, (list, dict))}
+        new = [k for k in scalars if k not in fields]
+        if new or not path.exists():
+            # A key no row had yet: rewrite the file with the wider header (rare).
+            rows: list[dict[str, Any]] = []
+            if path.exists():
+                with path.open(newline="") as fh:
+                    rows = list(csv.DictReader(fh))
+            fields = fields + sorted(new)
+            _write_csv(path, fields, [*rows, scalars])
+            self._csv_fields = fields
+            return
+        with path.open("a", newline="") as fh:
+            csv.DictWriter(fh, fieldnames=fields, restval="").writerow(scalars)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

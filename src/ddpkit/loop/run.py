@@ -1,0 +1,549 @@
+"""``ddpkit.Run``: resume, preemption and hang detection for a training loop you write.
+
+A run is one training job in one directory, across however many attempts it takes
+(a crash and an elastic restart, a preemption and a requeue). Every rank enters it::
+
+    with ddpkit.Run("runs/gpt", model=model, optimizer=opt, scheduler=sched,
+                    sampler=sampler, every_steps=100) as run:
+        for epoch in run.epochs(10):
+            for x, y in run.batches(loader):
+                ...forward, backward, optimizer.step()...
+                run.step_done(loss=loss)
+
+and gets what ``ddpkit train`` composes from the library:
+
+* **Resume.** Entering continues from the newest good checkpoint in
+  ``<dir>/checkpoints`` (:class:`~ddpkit.checkpoint.Checkpointer`): model, optimizer,
+  scheduler, the data position, every rank's random streams, the step count and the
+  ``state=`` objects you add. ``run.epochs`` and ``run.batches`` start where that
+  checkpoint stopped, mid-epoch included, so the rest of the run is the uninterrupted
+  run, bit for bit.
+* **The data position is counted, not read.** A DataLoader with workers asks its
+  sampler for indices ahead of the batches it hands out, so
+  ``ShardSampler.state_dict()`` runs ahead of training. ``run.batches`` counts the
+  batches it yielded instead: the position saved is that of the last batch the loop
+  took, whatever the prefetch depth.
+* **Cadence and preemption.** ``step_done`` makes one tiny all-reduce per step
+  (:meth:`PreemptionGuard.check`): whether some rank got SIGTERM/SIGUSR1, and whether
+  the step or time cadence is due on some rank's clock. A due checkpoint is written; a
+  stop writes a ``preempted`` checkpoint, ends ``run.batches`` and ``run.epochs`` on
+  every rank at the same step, and ``run.preempted`` is True after the block.
+* **Hangs name the rank.** Each step (first batch to ``step_done``) and every
+  collective of the run is inside a :class:`~ddpkit.fault.Watchdog` guard: a rank that
+  stops arriving becomes a :class:`~ddpkit.fault.HangError` naming it, the step and the
+  point it last reached.
+* **Metrics.** Every ``log_every`` steps ``step_done(**values)`` averages the values
+  over ranks and rank 0 appends a record to ``<dir>/metrics.jsonl`` (``log_with``: also
+  csv, tensorboard). A record holds its own step's values, so a resumed run writes the
+  records of the uninterrupted one.
+
+Everything the loop decides on (stop, save, log) is agreed by all ranks, and every
+collective runs on every rank: ``step_done`` must be called on every rank each step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ddpkit.checkpoint import (
+    Cadence,
+    Checkpointer,
+    CheckpointError,
+    collect_state,
+    config_fingerprint,
+    restore_state,
+)
+from ddpkit.data.partition import ShardBatch, ShardSampler
+from ddpkit.errors import ConfigError
+from ddpkit.fault import PreemptionGuard, ProgressBoard, Watchdog, set_collective_timeout
+from ddpkit.log import get_logger
+from ddpkit.loop import inject
+from ddpkit.loop.metrics_log import MetricLog, check_writers, truncate_records
+from ddpkit.loop.sample_ids import SampleLog, truncate_sample_logs
+from ddpkit.runtime import DEFAULT_TIMEOUT
+
+log = get_logger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+FORMAT = "ddpkit-run/1"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+class Run:
+    """One training job in ``directory``: resume, preemption, hang detection, metrics.
+
+    Build it on every rank, then enter it (``with run:``) on every rank; entering and
+    leaving are collective. Arguments:
+
+    * ``model``, ``optimizer``, ``scheduler``: saved and restored (the model unwrapped).
+    * ``sampler``: the :class:`~ddpkit.data.ShardSampler` feeding the loop; its position
+      is tracked by :meth:`batches` (taken from the loader when not given).
+    * ``every_steps`` / ``every_seconds``: checkpoint cadence (either, both or none: a
+      checkpoint is written anyway when a signal stops the run and when the block ends).
+      ``keep``: committed checkpoints kept.
+    * ``state``: more things to save, ``{"ema": ema, ...}``, each with
+      ``state_dict()``/``load_state_dict()``. ``state_dict()`` is called on every rank
+      at each save, rank 0's result is stored: gather per-rank values in it yourself.
+    * ``config``: a dataclass or JSON-able mapping of the settings that must not change
+      across a resume; a checkpoint written under others is refused, naming them.
+    * ``collective_timeout``: seconds a collective may wait before the missing rank is
+      named (default: the process group's timeout). ``resume=False`` ignores existing
+      checkpoints (a new run in a used directory is refused instead).
+    * ``log_every``: write a metrics record every N steps (None: only values given to
+      :meth:`log`). ``log_with``: ``("csv", "tensorboard")`` besides metrics.jsonl.
+    * ``log_sample_ids``: every rank logs the ids it trained on at each step (see
+      :mod:`ddpkit.loop.sample_ids`), for audits and tests.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        sampler: ShardSampler | None = None,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        keep: int | None = 3,
+        state: Mapping[str, Stateful] | None = None,
+        config: Any = None,
+        collective_timeout: float | None = None,
+        resume: bool = True,
+        log_every: int | None = None,
+        log_with: Iterable[str] = (),
+        log_sample_ids: bool = False,
+    ):
+        if collective_timeout is not None and collective_timeout <= 0:
+            raise ConfigError(f"collective_timeout must be > 0 seconds, got {collective_timeout}")
+        if log_every is not None and log_every < 1:
+            raise ConfigError(f"log_every must be >= 1 step, got {log_every}")
+        if keep is not None and keep < 1:
+            raise ConfigError(f"keep must be >= 1 (or None for all), got {keep}")
+        for name, obj in (state or {}).items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise ConfigError(f"state[{name!r}] has no state_dict()/load_state_dict()")
+        self.dir = Path(directory)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.sampler = sampler
+        self.state = dict(state or {})
+        self.config = config
+        self.collective_timeout = collective_timeout
+        self.keep = keep
+        self.resume = resume
+        self.log_every = log_every
+        self.log_with = check_writers(log_with)
+        self.log_sample_ids = log_sample_ids
+        self.cadence = Cadence(every_steps, every_seconds)
+        self.rank = dist.get_rank() if _initialized() else 0
+        self.world_size = dist.get_world_size() if _initialized() else 1
+        self.is_main = self.rank == 0
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+
+        self.step = 0  # optimizer steps taken since the run began (all attempts)
+        self.start_step = 0  # the step this attempt started from
+        self.epoch = 0  # the epoch of the next sample to train on
+        self.position = 0  # samples of that epoch consumed (a global count)
+        self.resumed_from: Path | None = None
+        self.stop_requested = False  # rank-agreed: a signal ends the run at this step
+        self.preempted = False  # the block ended early on a stop signal (checkpoint saved)
+        self.hooks: list[inject.StepHook] = []  # called with the step number after each step
+
+        self.checkpointer: Checkpointer | None = None
+        self.guard: PreemptionGuard = PreemptionGuard(device=self.device)
+        self.watchdog: Watchdog | None = None
+        self._stack: contextlib.ExitStack | None = None
+        self._step_guard: contextlib.AbstractContextManager | None = None
+        self._saved_step = -1
+        self._metrics: MetricLog | None = None
+        self._samples: SampleLog | None = None
+        self._pending_ids: list[int] = []
+        self._last_epoch = 0  # the epoch of the last batch handed out
+        self._clock = time.perf_counter()
+        self._clock_step = 0
+        self._entered = False
+
+    # ------------------------------------------------------------------ enter / exit
+    def __enter__(self) -> Run:
+        if self._entered:
+            raise ConfigError("a Run is entered once; make a new Run for a new block")
+        self._entered = True
+        token = self._agree_on_directory()
+        stack = contextlib.ExitStack()
+        try:
+            self.checkpointer = Checkpointer(self.dir / CHECKPOINT_DIR, keep=self.keep)
+            if _initialized():
+                timeout = self.collective_timeout or DEFAULT_TIMEOUT.total_seconds()
+                board = ProgressBoard(prefix=f"ddpkit/progress/{token}")
+                self.watchdog = Watchdog(timeout, board=board)
+                stack.callback(self.watchdog.close)
+                if self.collective_timeout is not None:
+                    set_collective_timeout(self.collective_timeout)
+                    stack.callback(set_collective_timeout, DEFAULT_TIMEOUT.total_seconds())
+            self._restore()
+            if threading.current_thread() is threading.main_thread():
+                stack.enter_context(self.guard)
+            if self.is_main:
+                self._metrics = MetricLog(self.dir, self.log_with, start_step=self.step)
+                stack.callback(self._metrics.close)
+            if self.log_sample_ids:
+                self._samples = SampleLog(self.dir, self.rank)
+                stack.callback(self._samples.close)
+            restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+            self.hooks += inject.step_hooks(os.environ, self.rank, restarts,
+                                            lambda: self.guard.requested)
+        except BaseException:
+            stack.close()
+            raise
+        self._stack = stack
+        self._clock, self._clock_step = time.perf_counter(), self.step
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        stack, self._stack = self._stack, None
+        try:
+            if self._step_guard is not None:
+                step_guard, self._step_guard = self._step_guard, None
+                # The exception left the user's step inside its guard: a collective
+                # timeout there becomes a HangError naming the ranks behind.
+                step_guard.__exit__(exc_type, exc, tb)
+            if exc_type is None and not self.preempted and self.step > self._saved_step:
+                self.save("final")
+        finally:
+            if stack is not None:
+                stack.close()
+
+    def _agree_on_directory(self) -> str:
+        """Rank 0 creates the directory; every rank learns a token naming this attempt's
+        progress keys in the store, or every rank raises rank 0's error."""
+        proposal: list[str | None] = [uuid.uuid4().hex[:12], None]
+        if self.is_main:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                proposal[1] = f"run directory {self.dir}: cannot create it ({err.strerror or err})"
+        if _initialized() and self.world_size > 1:
+            dist.broadcast_object_list(proposal, src=0)
+        if proposal[1] is not None:
+            raise ConfigError(proposal[1])
+        return str(proposal[0])
+
+    @contextlib.contextmanager
+    def _guarded(self, name: str) -> Iterator[None]:
+        with self.watchdog.guard(self.step, name) if self.watchdog else contextlib.nullcontext():
+            yield
+
+    @contextlib.contextmanager
+    def _patient(self) -> Iterator[None]:
+        """Checkpoint I/O may outlast a tight collective timeout: relax it meanwhile."""
+        short = self.collective_timeout
+        if short is None or not _initialized():
+            yield
+            return
+        set_collective_timeout(max(short, DEFAULT_TIMEOUT.total_seconds()))
+        try:
+            yield
+        finally:
+            set_collective_timeout(short)
+
+    # ------------------------------------------------------------------ resume
+    def _restore(self) -> None:
+        with self._patient():
+            state = self.checkpointer.load_latest()
+        if state is None:
+            self._sync_logs()
+            return
+        source = f"checkpoint of step {state.get('step')} in {self.checkpointer.dir}"
+        if not self.resume:
+            raise CheckpointError(f"{self.dir} already holds a run ({source}); resume it, or "
+                                  "choose a new directory")
+        ours = (state.get("extra") or {}).get("run")
+        if not isinstance(ours, dict) or ours.get("format") != FORMAT:
+            raise CheckpointError(f"{source} was not written by ddpkit.Run; cannot resume it")
+        restore_state(state, model=self.model, optimizer=self.optimizer,
+                      scheduler=self.scheduler, config=self.config, source=source)
+        saved = state["extra"]["state"]
+        missing = sorted(set(self.state) - set(saved))
+        if missing:
+            raise CheckpointError(f"{source} has no state for {missing}; it was saved without it")
+        for name, obj in self.state.items():
+            obj.load_state_dict(saved[name])
+        self.step = self.start_step = self._saved_step = int(ours["step"])
+        self.epoch, self.position = int(ours["epoch"]), int(ours["position"])
+        if self.sampler is not None and "sampler" in state:
+            self.sampler.load_state_dict(state["sampler"])  # checks seed and data size
+            self.epoch, self.position = self.sampler.epoch, self.sampler.position
+        self.resumed_from = self.checkpointer.path_for(self.step)
+        self._last_epoch = self.epoch if self.position else max(self.epoch - 1, 0)
+        self._sync_logs()
+        log.info(f"resumed at step {self.step} (epoch {self.epoch + 1}, sample {self.position}) "
+                 f"from {source}")
+
+    def _sync_logs(self) -> None:
+        """Logs describe exactly the steps that led to the current state: lines of steps
+        past it would be replayed and count twice."""
+        if self.is_main:
+            truncate_records(self.dir, self.step)
+            truncate_sample_logs(self.dir, self.step)
+        if _initialized() and self.world_size > 1:
+            dist.barrier()  # nobody appends before rank 0 has cut the logs
+
+    # ------------------------------------------------------------------ saving
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loop is (step, epoch, data position) and the ``state=`` objects."""
+        return {"run": {"format": FORMAT, "step": self.step, "epoch": self.epoch,
+                        "position": self.position},
+                "state": {name: obj.state_dict() for name, obj in self.state.items()}}
+
+    def save(self, reason: str = "manual") -> Path:
+        """Collective: write a checkpoint of the current step now (every rank calls it)."""
+        if self.checkpointer is None:
+            raise ConfigError("Run.save() needs the run entered first: `with run:`")
+        meta: dict[str, Any] = {"epoch": self.epoch}
+        if self.config is not None:
+            meta["fingerprint"] = config_fingerprint(self.config)
+        with self._guarded("checkpoint"), self._patient():
+            state = collect_state(
+                model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                sampler=_Position(self) if self.sampler is not None else None,
+                step=self.step, epoch=self.epoch, config=self.config,
+                extra=self.state_dict(),
+            )
+            path = self.checkpointer.save(state, self.step, reason=reason, meta=meta)
+        self.cadence.saved()
+        self._saved_step = self.step
+        if reason in ("final", "preempted"):
+            log.info(f"checkpoint of step {self.step} ({reason}): {path}")
+        return path
+
+    # ------------------------------------------------------------------ the loop
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """The epochs left to train, from the one a resume lands in; ends early when a
+        stop signal ended the run."""
+        while self.epoch < num_epochs and not self.stop_requested:
+            epoch = self.epoch
+            yield epoch
+            if self.epoch == epoch and not self.stop_requested:
+                # The body left the epoch before its end (a break): go on with the next.
+                self.epoch, self.position = epoch + 1, 0
+
+    def batches(self, loader: Iterable[Any] | None = None) -> Iterator[Any]:
+        """The loop's batches from the current data position to the end of the epoch.
+
+        ``loader``: a DataLoader over ``sampler`` (``batch_size=sampler.local_batch_size``);
+        None iterates the sampler's own :class:`ShardBatch` es. The loader's worker
+        processes are made to ignore SIGTERM/SIGUSR1 (a launcher signals them too; the
+        loop stops them after its checkpoint). Ends early, on every
+        rank at the same step, when a stop signal ended the run.
+        """
+        sampler = self._sampler_of(loader)
+        sampler.load_state_dict({"epoch": self.epoch, "position": self.position})
+        self.epoch, self.position = sampler.epoch, sampler.position
+        epoch, start = self.epoch, self.position
+        if loader is None:
+            source: Iterator[Any] = sampler.batches()
+        else:
+            # Making an iterator draws a worker base seed from torch's global stream;
+            # a resumed run makes one mid-epoch, the uninterrupted run did not. Forking
+            # keeps the loop's own random stream the same in both.
+            with torch.random.fork_rng(devices=[]):
+                source = iter(loader)
+        g, end = sampler.global_batch_size, sampler.end
+        try:
+            done = start
+            while not self.stop_requested:
+                try:
+                    batch = next(source)
+                except StopIteration:
+                    break
+                chunk = (done, min(done + g, end))
+                done = chunk[1]
+                if self._samples is not None:
+                    self._pending_ids += _real_ids(sampler, epoch, *chunk)
+                self.epoch, self.position = (epoch + 1, 0) if done >= end else (epoch, done)
+                self._last_epoch = epoch
+                self._open_step_guard()
+                yield batch
+        finally:
+            close = getattr(source, "close", None)  # a generator; a DataLoader's iterator
+            if close is not None:                   # stops its workers when dropped
+                close()
+            del source
+
+    def _sampler_of(self, loader: Any) -> ShardSampler:
+        sampler = self.sampler
+        if loader is not None:
+            found = getattr(loader, "sampler", None)
+            if not isinstance(found, ShardSampler):
+                raise ConfigError("run.batches(loader): the loader must draw from a ShardSampler "
+                                  "(DataLoader(dataset, sampler=sampler, batch_size="
+                                  "sampler.local_batch_size))")
+            if sampler is not None and found is not sampler:
+                raise ConfigError("run.batches(loader): the loader's sampler is not the Run's "
+                                  "sampler=; pass the same one")
+            if getattr(loader, "batch_size", None) != found.local_batch_size:
+                raise ConfigError(
+                    f"run.batches(loader): the loader's batch_size is "
+                    f"{getattr(loader, 'batch_size', None)}, the sampler's local batch is "
+                    f"{found.local_batch_size}; give the DataLoader batch_size="
+                    "sampler.local_batch_size (accumulate several batches per step instead)")
+            if getattr(loader, "drop_last", False):
+                raise ConfigError("run.batches(loader): use ShardSampler(drop_last=True) instead "
+                                  "of DataLoader(drop_last=True)")
+            self.sampler = sampler = found
+            if getattr(loader, "num_workers", 0) and not isinstance(loader.worker_init_fn,
+                                                                       _QuietWorker):
+                loader.worker_init_fn = _QuietWorker(loader.worker_init_fn, self.guard.signals)
+        if sampler is None:
+            raise ConfigError("run.batches() needs a sampler: Run(..., sampler=ShardSampler(...))")
+        return sampler
+
+    def _open_step_guard(self) -> None:
+        if self.watchdog is not None and self._step_guard is None:
+            self._step_guard = self.watchdog.guard(self.step + 1, "train_step")
+            self._step_guard.__enter__()
+
+    def _close_step_guard(self) -> None:
+        if self._step_guard is not None:
+            step_guard, self._step_guard = self._step_guard, None
+            step_guard.__exit__(None, None, None)
+
+    def step_done(self, **values: float | torch.Tensor) -> bool:
+        """Collective: one optimizer step is done. Returns True when the run must stop.
+
+        Counts the step, writes the sample-id line, every ``log_every`` steps writes a
+        metrics record with the mean over ranks of ``values`` (floats or 0-dim tensors,
+        the same names on every rank; other steps leave them untouched), and agrees with
+        the other ranks on stop/save: a due checkpoint is written here; on a stop, the
+        ``preempted`` one, and :meth:`batches`/:meth:`epochs` end.
+        """
+        if self._stack is None:
+            raise ConfigError("run.step_done() outside the run: enter it first (`with run:`)")
+        self._close_step_guard()
+        self.step += 1
+        if self._samples is not None:
+            self._samples.write(self.step, self._last_epoch, self._pending_ids)
+            self._pending_ids = []
+        for hook in self.hooks:
+            hook(self.step)
+        if self.log_every and self.step % self.log_every == 0:
+            self.log(**values)
+        return self.check()
+
+    def check(self, *, save: bool = True) -> bool:
+        """Collective: agree on stop/save at this step (``step_done`` calls it); with
+        ``save=False`` nothing is written and the caller saves. True: stop now."""
+        with self._guarded("step_check"):
+            stop, due = self.guard.check(self.step, save_due=self.cadence.due(self.step))
+        if stop and not self.stop_requested:
+            self.stop_requested = True
+            if save:
+                self.save("preempted")
+                self.preempted = True
+        elif due and save:
+            self.save("periodic")
+        return stop
+
+    # ------------------------------------------------------------------ metrics
+    def log(self, **values: Any) -> dict[str, Any]:
+        """Collective: write a metrics record of the current step now (rank 0 writes it).
+
+        Holds ``step``, ``epoch`` (1-based, that of the last batch), the learning rate,
+        steps per second since the last record, the mean over ranks of each of
+        ``values`` (floats or 0-dim tensors, the same names on every rank). Returns the
+        record on every rank.
+        """
+        out: dict[str, Any] = {"step": self.step, "epoch": self._last_epoch + 1}
+        if self.optimizer is not None:
+            out["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        names = sorted(values)
+        if names:
+            # One float64 all-reduce for all of them: the record costs one collective.
+            vals = torch.stack([torch.as_tensor(values[n]).detach().to(self.device, torch.float64)
+                                .reshape(()) for n in names])
+            if _initialized() and self.world_size > 1:
+                with self._guarded("metrics"):
+                    dist.all_reduce(vals)
+            out.update(zip(names, (vals / self.world_size).tolist(), strict=True))
+        now = time.perf_counter()
+        if self.step > self._clock_step and now > self._clock:
+            out["steps_per_s"] = (self.step - self._clock_step) / (now - self._clock)
+        self._clock, self._clock_step = now, self.step
+        if self._metrics is not None:
+            self._metrics.write(out)
+        return out
+
+
+class _Position:
+    """The sampler's state at the position the loop reached (not the one it was asked
+    for last: a prefetching DataLoader is ahead)."""
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.run.sampler.state_dict(), "epoch": self.run.epoch,
+                "position": self.run.position}
+
+
+class _QuietWorker:
+    """A DataLoader ``worker_init_fn``: the workers ignore the stop signals from anyone
+    but their own parent.
+
+    Launchers signal the whole process group: torchrun's agent and SLURM send SIGTERM to
+    the loader's worker processes as well, which then die, and the main process raises
+    "DataLoader worker is killed by signal" in the middle of the step the preemption
+    should have finished. Ignoring SIGTERM outright is no better: at exit the parent
+    ends leftover workers with SIGTERM and waits for them. So the signals are blocked
+    and one thread reads who sent each (``sigwaitinfo``): SIGTERM from the parent ends
+    the worker, as torch's own handler does; the rest is dropped, and the loop stops
+    the workers itself once it has checkpointed.
+    """
+
+    def __init__(self, inner: Any, signals: tuple[int, ...]):
+        self.inner, self.signals = inner, tuple(signals)
+
+    def __call__(self, worker_id: int) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
+        threading.Thread(target=_parent_only, args=(self.signals, os.getppid()), daemon=True,
+                         name="ddpkit-loader-signals").start()
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+def _parent_only(signals: tuple[int, ...], parent: int) -> None:
+    while True:
+        info = signal.sigwaitinfo(signals)
+        if info.si_signo == signal.SIGTERM and info.si_pid == parent:
+            os._exit(0)
+
+
+def _real_ids(sampler: ShardSampler, epoch: int, start: int, stop: int) -> list[int]:
+    """The real samples this rank reads of the global batch [start, stop) (as in
+    ShardSampler: strided by rank, padding beyond ``stop`` left out)."""
+    order = sampler.order(epoch)
+    return [int(order[q]) for q in range(start + sampler.rank, stop, sampler.num_replicas)]
+
+
+# ShardBatch is what batches() yields without a loader; exported for type hints.
+__all__ = ["CHECKPOINT_DIR", "Run", "ShardBatch", "Stateful"]
