@@ -194,3 +194,41 @@ def test_examples_say_how_to_run_them(name):
     doc = example(name).read_text().split('"""')[1]
     assert f"ddpkit launch --nproc-per-node 2 examples/{name}" in doc.replace(
         "--standalone ", "")
+
+
+DEVICE_IDS_ON_CPU = """
+import os
+import torch.distributed as dist
+from torch import nn
+if os.environ["ENGINE"] == "torch":
+    from torch.nn.parallel import DistributedDataParallel as DDP
+else:
+    from ddpkit import DataParallel as DDP
+dist.init_process_group("gloo")
+DDP(nn.Linear(4, 2), device_ids=[int(os.environ["LOCAL_RANK"])])
+"""
+
+
+def test_device_ids_on_a_cpu_module_is_the_last_line_of_each_ranks_traceback(tmp_path):
+    """What docs/migrating.md says a refused argument looks like in your own script: one
+    line saying what to do, last in the rank's traceback, exit 1, as torch DDP's own
+    ValueError for the same call."""
+    script = tmp_path / "cpu_device_ids.py"
+    script.write_text(DEVICE_IDS_ON_CPU)
+    out = {}
+    for engine in ("ddpkit", "torch"):
+        out[engine] = subprocess.run(
+            [PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2", str(script)], cwd=ROOT,
+            env=clean_env(ENGINE=engine), capture_output=True, text=True, timeout=TIMEOUT_S)
+    ours = out["ddpkit"]
+    assert ours.returncode == out["torch"].returncode == 1, ours.stderr[-3000:]
+    assert "ValueError: DistributedDataParallel device_ids" in out["torch"].stderr
+    for rank in (0, 1):
+        line = (f"[default{rank}]:[rank{rank}]: ddpkit.parallel.torch_compat.TorchArgumentError: "
+                f"device_ids=[{rank}] but the module is on cpu; move the module there first "
+                "(model.to(device)), or pass device_ids=None")
+        prefix = f"[default{rank}]:[rank{rank}]: "
+        rank_lines = [x for x in ours.stderr.splitlines() if x.startswith(prefix)]
+        assert ours.stderr.count(line) == 1 and rank_lines[-1] == line, ours.stderr[-3000:]
+    assert "device_ids=[0] but the module is on cpu; move the module there first" in DOC.read_text(
+        ).replace("\n", " ")
