@@ -87,6 +87,8 @@ def _flag_value(f):
         return "0.25"
     if f.metadata["flag"] in ("--data", "--model"):  # a built-in name or a user's factory
         return "mypackage.module:factory"
+    if f.metadata["flag"] == "--comm":  # checked in validate(), not by argparse choices
+        return "ring"
     return "somewhere"
 
 
@@ -136,3 +138,18 @@ def test_each_dataset_spec_matches_what_its_loader_returns():
         assert tuple(x.shape) == spec.input_shape, name
         assert train.num_classes == spec.num_classes, name
         assert int(max(train.y.max(), test.y.max())) < spec.num_classes, name
+
+
+def test_the_configs_name_tables_are_the_libraries_own():
+    """train/names.py copies the names so the launcher can check a config without torch."""
+    from ddpkit.data.datasets import DATASETS
+    from ddpkit.fault import EXIT_PREEMPTED
+    from ddpkit.parallel import COMM_CHOICES, ENGINES
+    from ddpkit.train import names
+    from ddpkit.train.models import MODELS
+
+    assert tuple(DATASETS) == names.DATASETS
+    assert tuple(MODELS) == names.MODELS
+    assert tuple(ENGINES) == names.ENGINES
+    assert tuple(COMM_CHOICES) == names.COMM_CHOICES
+    assert names.EXIT_PREEMPTED == EXIT_PREEMPTED

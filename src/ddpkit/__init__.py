@@ -1,22 +1,60 @@
 """ddpkit: distributed data-parallel training on PyTorch.
 
 Public API (stable names): World, init, shutdown, distributed, spawn, and, as they
-land, DataParallel, join, Checkpointer and the comm/data subpackages.
+land, DataParallel, join, Checkpointer, Run (your own loop with resume, preemption
+and hang detection) and the comm/data subpackages.
+
+The names that need torch are imported on first use (PEP 562 ``__getattr__``):
+``import ddpkit`` and the ``ddpkit`` command's launcher then start without importing
+torch, which costs more than a second; ``ddpkit.DataParallel`` etc. work as before.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 # ddpkit.log installs the library's NullHandler on import (handlers belong to the application).
-from ddpkit import (
-    comm,
-    data,
-    log,  # noqa: F401 - installs the library's NullHandler
-)
-from ddpkit.checkpoint import Checkpointer
+from ddpkit import log  # noqa: F401
 from ddpkit.errors import CommError, ConfigError, DdpkitError
-from ddpkit.parallel import DataParallel, join
-from ddpkit.runtime import distributed, init, shutdown
 from ddpkit.spawn import SpawnError, spawn
 from ddpkit.topology import Topology
 from ddpkit.world import World
+
+# Public name -> the module that defines it, imported when the name is first used.
+_LAZY = {
+    "Checkpointer": "ddpkit.checkpoint",
+    "DataParallel": "ddpkit.parallel",
+    "join": "ddpkit.parallel",
+    "Run": "ddpkit.loop",
+    "distributed": "ddpkit.runtime",
+    "init": "ddpkit.runtime",
+    "shutdown": "ddpkit.runtime",
+}
+_SUBPACKAGES = ("comm", "data")
+
+if TYPE_CHECKING:
+    from ddpkit import comm, data
+    from ddpkit.checkpoint import Checkpointer
+    from ddpkit.loop import Run
+    from ddpkit.parallel import DataParallel, join
+    from ddpkit.runtime import distributed, init, shutdown
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"ddpkit.{name}")
+    else:
+        raise AttributeError(f"module 'ddpkit' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_SUBPACKAGES})
+
 
 __all__ = [
     "Checkpointer",
@@ -24,6 +62,7 @@ __all__ = [
     "ConfigError",
     "DataParallel",
     "DdpkitError",
+    "Run",
     "SpawnError",
     "Topology",
     "World",

@@ -17,7 +17,13 @@ choice open:
 * the first failing rank reported once, in one line, with exit code != 0.
 
 ``ddpkit train``/``verify`` come in through :func:`launch` with :class:`LaunchOptions`,
-which become the same command line.
+which become the same command line; on one node with no restarts, where the agent has
+nothing to do, they start the workers directly instead (``ddpkit.launch_local``: the
+same environment, output and failure report, without importing torch in the launcher).
+
+Either way the launcher owns the terminal (``ddpkit.console``): rank 0 writes its
+progress to a file the launcher names in ``DDPKIT_PROGRESS_FILE``, and the launcher
+draws it as a live status line on a terminal, or as a plain line now and then.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ddpkit.console import PROGRESS_ENV, Console
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
 from ddpkit.torchrun_args import check_nproc, default_nproc, nnodes_range
@@ -140,14 +147,77 @@ def torchrun_argv(opts: LaunchOptions, nproc: int) -> list[str]:
     return argv
 
 
+def agent_needed(opts: LaunchOptions) -> bool:
+    """Whether the job needs torchrun's agent: several nodes (a rendezvous to host or
+    join), restarts, its log files, or DDPKIT_LAUNCHER=torchrun."""
+    return (opts.nnodes not in ("1", "1:1") or opts.rdzv_endpoint is not None
+            or opts.max_restarts > 0 or opts.log_dir is not None
+            or opts.node_rank not in (None, 0)
+            or os.environ.get("DDPKIT_LAUNCHER") == "torchrun")
+
+
 def launch(script: str, script_args: Sequence[str], opts: LaunchOptions | None = None) -> int:
-    """Run ``script`` on every local rank under torchrun's agent; return an exit code."""
+    """Run ``script`` on every local rank; return an exit code. torchrun's agent runs it
+    when :func:`agent_needed`, otherwise the workers are started directly."""
     opts = opts or LaunchOptions()
     nproc = default_nproc() if opts.nproc_per_node is None else opts.nproc_per_node
     check_nproc(nproc)
-    argv = [*torchrun_argv(opts, nproc), script, *script_args]
     os.environ.update(opts.extra_env)
-    return launch_argv(argv)
+    if agent_needed(opts):
+        return launch_argv([*torchrun_argv(opts, nproc), script, *script_args])
+    from ddpkit.launch_local import ROLE, launch_local, python_command
+
+    cmd = python_command(script, script_args, module=opts.module, no_python=opts.no_python)
+    with progress_console() as console:
+        code, failures = launch_local(cmd, nproc, console)
+    if code > 128 and code - 128 in (signal.SIGTERM, signal.SIGINT):
+        name = signal.Signals(code - 128).name
+        print(f"ddpkit launch: got {name}; the workers were sent "
+              f"{'SIGTERM' if name == 'SIGINT' else name} and have stopped",
+              file=sys.stderr, flush=True)
+        return code
+    if failures:
+        return report_failure({f.local_rank: f for f in failures}, ROLE)
+    return code
+
+
+@contextlib.contextmanager
+def progress_console():
+    """A :class:`Console` following a fresh progress file that the workers learn from
+    ``DDPKIT_PROGRESS_FILE``; removed afterwards."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(prefix="ddpkit-progress-", suffix=".jsonl")
+    os.close(fd)
+    previous = os.environ.get(PROGRESS_ENV)
+    os.environ[PROGRESS_ENV] = path
+    console = Console(path).start()
+    try:
+        yield console
+    finally:
+        console.close()
+        if previous is None:
+            os.environ.pop(PROGRESS_ENV, None)
+        else:
+            os.environ[PROGRESS_ENV] = previous
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def report_failure(failures: dict, role: str) -> int:
+    """Print the one line naming the root cause of ``failures``; its exit code."""
+    rank, failure = root_cause(failures)
+    others = sorted(r for r in failures if r != rank)
+    also = f"; ranks {others} failed after it" if others else ""
+    if failure.exitcode < 0:  # killed by a signal: there is no traceback to point at
+        what = (f"was killed by {signal.Signals(-failure.exitcode).name} "
+                f"(pid {failure.pid}; out of memory or killed from outside?)")
+    else:
+        prefix = f"[{role}{failure.local_rank}]"
+        what = (f"failed first (exit code {failure.exitcode}, pid {failure.pid}); its "
+                f"traceback is above, prefixed {prefix}")
+    print(f"ddpkit launch: rank {rank} {what}{also}", file=sys.stderr, flush=True)
+    return failure.exitcode if failure.exitcode > 0 else 1
 
 
 def launch_argv(argv: Sequence[str]) -> int:
@@ -174,7 +244,12 @@ def launch_argv(argv: Sequence[str]) -> int:
         # attempt hosts a fresh store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
-        torchrun.run(args)  # the real agent; it also turns --standalone into a free port
+        # The agent's tee threads write to sys.stdout/sys.stderr: through the console,
+        # so rank 0's progress line stays below the workers' output.
+        with progress_console() as console, \
+                contextlib.redirect_stdout(console.proxy(sys.stdout)), \
+                contextlib.redirect_stderr(console.proxy(sys.stderr)):
+            torchrun.run(args)  # the real agent; it also turns --standalone into a free port
     except RendezvousConnectionError as err:
         cause = err.__cause__ or err.__context__ or err
         where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
@@ -190,18 +265,7 @@ def launch_argv(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
-        rank, failure = root_cause(err.failures)
-        others = sorted(r for r in err.failures if r != rank)
-        also = f"; ranks {others} failed after it" if others else ""
-        if failure.exitcode < 0:  # killed by a signal: there is no traceback to point at
-            what = (f"was killed by {signal.Signals(-failure.exitcode).name} "
-                    f"(pid {failure.pid}; out of memory or killed from outside?)")
-        else:
-            prefix = f"[{args.role}{failure.local_rank}]"
-            what = (f"failed first (exit code {failure.exitcode}, pid {failure.pid}); its "
-                    f"traceback is above, prefixed {prefix}")
-        print(f"ddpkit launch: rank {rank} {what}{also}", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 1
+        return report_failure(err.failures, args.role)
     return 0
 
 

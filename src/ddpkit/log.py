@@ -20,9 +20,10 @@ import sys
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    # A process that never imported torch.distributed has no process group; importing
+    # it here would cost a launcher (which has no torch) a second per first log line.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     # Before init the launcher's variable is the only source of truth.
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)

@@ -100,7 +100,29 @@ def apply_defaults(args: argparse.Namespace) -> None:
         args.rdzv_backend = "static" if static else "c10d"
 
 
+def cpu_only_torch() -> bool:
+    """True when the installed torch is a build without any accelerator (its version.py
+    names no CUDA, ROCm or XPU, and this is not macOS with MPS): then the device count is
+    known without importing torch, which costs the launcher more than a second."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.find_spec("torch")
+    if sys.platform == "darwin" or spec is None or not spec.submodule_search_locations:
+        return False
+    version_py = os.path.join(list(spec.submodule_search_locations)[0], "version.py")
+    try:
+        with open(version_py) as fh:
+            values: dict = {}
+            exec(compile(fh.read(), version_py, "exec"), values)  # torch's own constants
+    except (OSError, SyntaxError, ImportError):
+        return False
+    return all(values.get(k, "missing") is None for k in ("cuda", "hip", "xpu"))
+
+
 def default_nproc() -> int:
+    if cpu_only_torch():
+        return 2
     import torch
 
     if torch.accelerator.is_available():
@@ -109,10 +131,12 @@ def default_nproc() -> int:
 
 
 def check_nproc(nproc: int) -> None:
-    import torch
-
     if not isinstance(nproc, int) or nproc < 1:
         raise ConfigError(f"--nproc-per-node must be a positive integer, got {nproc!r}")
+    if cpu_only_torch():
+        return
+    import torch
+
     if torch.accelerator.is_available():
         found = torch.accelerator.device_count()
         kind = torch.accelerator.current_accelerator().type.upper()

@@ -10,8 +10,7 @@ from ddpkit.errors import ConfigError
 
 
 def register(bench_sub) -> None:
-    from ddpkit.bench import shm as shm_bench
-
+    # ddpkit.bench.shm imports torch: not while building the parser every command uses.
     p = bench_sub.add_parser(
         "shm",
         help="shared-memory all_reduce (private and allocated tensors) vs gloo",
@@ -22,8 +21,9 @@ def register(bench_sub) -> None:
             "bandwidth and ratio to gloo, checks the targets, writes CSV, JSON and a PNG."),
     )
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn on this machine")
-    p.add_argument("--sizes", default=shm_bench.DEFAULT_SIZES,
-                   help="comma-separated message sizes, e.g. 4,64K,4M")
+    p.add_argument("--sizes", default=None,
+                   help="comma-separated message sizes, e.g. 4,64K,4M (default: "
+                        "4,1K,16K,64K,256K,1M,4M,16M,32M)")
     p.add_argument("--budget", type=float, default=0.5,
                    help="seconds of timing per size and algorithm")
     p.add_argument("--out-dir", default=None,
@@ -34,6 +34,8 @@ def register(bench_sub) -> None:
 
 def run(args) -> int:
     from ddpkit.bench import shm as shm_bench
+
+    args.sizes = args.sizes or shm_bench.DEFAULT_SIZES
 
     if args.nproc < 2:
         raise ConfigError(f"--nproc must be >= 2 to compare all-reduces, got {args.nproc}")

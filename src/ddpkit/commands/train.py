@@ -107,17 +107,20 @@ def forward_to_workers(signals: tuple[int, ...]) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    from ddpkit.fault import EXIT_PREEMPTED
-    from ddpkit.launch import default_nproc, launch
+    # Imports that need torch wait until they are needed: the launching process of a
+    # default run never imports it (the workers do).
+    from ddpkit.launch import agent_needed, default_nproc, launch
     from ddpkit.log import get_logger
     from ddpkit.train import resume
+    from ddpkit.train.names import EXIT_PREEMPTED
     from ddpkit.train.prelaunch import check_data, check_world_size, quiet_omp_warning
-    from ddpkit.train.worker import run_from_args
     from ddpkit.world import World
 
-    if World.from_env(require_master_addr=False).source != "single":
+    # Only who started this process matters here, not its devices (which need torch).
+    if World.from_env(require_master_addr=False, accelerator="cpu",
+                      device_count=0).source != "single":
+        from ddpkit.train.worker import run_from_args
+
         return run_from_args(args)  # one worker of a job some launcher started
 
     resume_dir = None
@@ -150,12 +153,21 @@ def run(args: argparse.Namespace) -> int:
     opts.module = True
     quiet_omp_warning(opts)
     started = time.time()
+    if agent_needed(opts):
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+    else:
+        class SignalException(Exception):  # noqa: N818 - only the agent raises it
+            sigval = 0
     try:
         with forward_to_workers((signal.SIGUSR1,)):
             code = launch(WORKER_MODULE, argv, opts)
     except SignalException as err:  # the agent forwarded it, the workers have stopped
         code = 128 + int(err.sigval)
-    stopped = resume.preempted_since(run_dir, started) if run_dir is not None else None
+    # Without the agent a stopped worker exits EXIT_PREEMPTED itself; under the agent it
+    # exits 0 (or the agent reports the signal), so look at the newest checkpoint.
+    maybe_stopped = code != 0 or agent_needed(opts)
+    stopped = (resume.preempted_since(run_dir, started)
+               if run_dir is not None and maybe_stopped else None)
     if stopped is not None:
         print(f"ddpkit train: stopped by a signal at step {stopped.step}; checkpoint "
               f"{stopped.path}; continue with: ddpkit train --resume {run_dir}",

@@ -34,7 +34,9 @@ def run(args: argparse.Namespace) -> int:
     from ddpkit.train.verify import VerifyResult, check_plain_steps, run_from_args
     from ddpkit.world import World
 
-    if World.from_env(require_master_addr=False).source != "single":
+    # Only who started this process matters here, not its devices (which need torch).
+    if World.from_env(require_master_addr=False, accelerator="cpu",
+                      device_count=0).source != "single":
         return run_from_args(args)  # one worker of a job some launcher started
     cfg = config_from_args(args)
     if args.steps < 1:

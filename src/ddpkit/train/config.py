@@ -33,10 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddpkit.data.datasets import DATASETS
 from ddpkit.errors import ConfigError
-from ddpkit.parallel import COMM_CHOICES, ENGINES
-from ddpkit.train.models import MODELS
+from ddpkit.train.names import COMM_CHOICES, DATASETS, ENGINES, MODELS
 from ddpkit.train.recipe import OPTIMIZERS, PRECISIONS, SCHEDULES, check_factory_spec
 
 # Command-line groups a flag can belong to (`ddpkit verify` takes only TRAINING).

@@ -1,17 +1,19 @@
 """Checks the launching command (``ddpkit train`` / ``ddpkit verify``) makes before any
-worker starts: every worker would otherwise fail later, each with the same message."""
+worker starts: every worker would otherwise fail later, each with the same message.
+
+They import torch only where a check needs it (the MNIST files, the ``net`` model's
+input shape, an indivisible batch's message): the default ``ddpkit train`` launches
+without importing torch at all.
+"""
 
 from __future__ import annotations
 
 import os
 
-from ddpkit.data.datasets import DATASETS, load_dataset
-from ddpkit.data.partition import local_batch_size
 from ddpkit.errors import ConfigError
-from ddpkit.launch import default_nproc
+from ddpkit.torchrun_args import default_nproc
 from ddpkit.train import recipe
 from ddpkit.train.config import Config
-from ddpkit.train.models import build_model
 
 
 def check_world_size(cfg: Config, opts) -> None:
@@ -27,7 +29,10 @@ def check_world_size(cfg: Config, opts) -> None:
         raise ConfigError(f"--nnodes {opts.nnodes!r} is not N or MIN:MAX") from None
     if nnodes < 1:
         raise ConfigError(f"--nnodes must be >= 1, got {nnodes}")
-    local_batch_size(cfg.train.batch_size, nproc * nnodes)
+    if cfg.train.batch_size < 1 or cfg.train.batch_size % (nproc * nnodes):
+        from ddpkit.data.partition import local_batch_size
+
+        local_batch_size(cfg.train.batch_size, nproc * nnodes)  # raises, in its words
 
 
 def check_data(cfg: Config) -> None:
@@ -38,9 +43,15 @@ def check_data(cfg: Config) -> None:
             recipe.find_factory_module(name, flag)
     if recipe.is_factory(cfg.data.name) or recipe.is_factory(cfg.model.name):
         return  # shapes are known only once the workers build them
-    spec = DATASETS[cfg.data.name]
-    build_model(cfg.model.name, spec.input_shape, spec.num_classes, hidden=cfg.model.hidden)
+    if cfg.model.name == "net":  # the one built-in model that fits one input shape only
+        from ddpkit.data.datasets import DATASETS
+        from ddpkit.train.models import build_model
+
+        spec = DATASETS[cfg.data.name]
+        build_model(cfg.model.name, spec.input_shape, spec.num_classes, hidden=cfg.model.hidden)
     if cfg.data.name == "mnist":  # the only one read from the user's files
+        from ddpkit.data.datasets import load_dataset
+
         load_dataset("mnist", cfg.data.data_dir)
 
 

@@ -12,18 +12,22 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ddpkit.checkpoint import Checkpointer, CheckpointError, CheckpointInfo, config_changes
 from ddpkit.errors import ConfigError
 from ddpkit.train import report
 from ddpkit.train.config import Config
 from ddpkit.train.report import CHECKPOINT_DIR
 
+if TYPE_CHECKING:  # ddpkit.checkpoint imports torch: the launcher needs it only to resume
+    from ddpkit.checkpoint import Checkpointer, CheckpointInfo
+
 LATEST = ""  # `--resume` given without a directory: the newest run under --out-dir
 
 
 def _checkpoints(run_dir: Path) -> Checkpointer:
+    from ddpkit.checkpoint import Checkpointer
+
     return Checkpointer(run_dir / CHECKPOINT_DIR, keep=None, create=False)
 
 
@@ -70,6 +74,8 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
 
 def check_resumable(run_dir: Path, cfg: Config) -> CheckpointInfo:
     """The checkpoint a resume will start from, or one clear error; reads only."""
+    from ddpkit.checkpoint import CheckpointError
+
     ckpt = _checkpoints(run_dir)
     if not ckpt.checkpoints():
         raise CheckpointError(
@@ -93,6 +99,8 @@ def refuse_changed_config(saved: Any, cfg: Config, source: str) -> None:
     checkpoint was written with (``saved``: its JSON text or dict); ``source`` names the
     checkpoint. The one rule for both the launcher (:func:`check_resumable`) and the
     workers (:meth:`Trainer.restore`)."""
+    from ddpkit.checkpoint import CheckpointError, config_changes
+
     changes = config_changes(saved, cfg.identity())
     if changes:
         raise CheckpointError(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.runtime import distributed
 from ddpkit.train import recipe
 from ddpkit.train.config import Config
-from ddpkit.train.entry import run_entry
+from ddpkit.train.entry import exit_process, run_entry
 from ddpkit.train.metrics import MetricSums
 from ddpkit.train.options import (
     add_resolved_config,
@@ -217,4 +216,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from ddpkit.fault import EXIT_PREEMPTED
 from ddpkit.runtime import distributed
 from ddpkit.train import inject
 from ddpkit.train.config import Config
-from ddpkit.train.entry import run_entry
+from ddpkit.train.entry import exit_process, run_entry
 from ddpkit.train.options import (
     add_resolved_config,
     add_run_options,
@@ -101,4 +100,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
