@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import threading
 import time
 import uuid
@@ -62,7 +61,7 @@ from ddpkit.fault import PreemptionGuard, ProgressBoard, Watchdog, set_collectiv
 from ddpkit.log import get_logger
 from ddpkit.parallel import data_parallel
 from ddpkit.runtime import DEFAULT_TIMEOUT
-from ddpkit.train import recipe, report
+from ddpkit.train import progress, recipe, report
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums, gather_floats
 from ddpkit.train.resume import refuse_changed_config
@@ -549,31 +548,8 @@ class Trainer:
     def _progress(self, epoch: int, total: int | None):
         if not (self.cfg.train.progress and self.world.is_main and self.write):
             return None
-        from tqdm import tqdm
-
-        tty = sys.stderr.isatty()
-        # Under torchrun's --tee the stream is a file read line by line: redraws with
-        # "\r" would pile up into one line, so there we print whole lines, rarely.
-        return tqdm(total=total, desc=f"epoch {epoch + 1}/{self.cfg.train.epochs}",
-                    unit="sample", unit_scale=True, leave=False,
-                    file=sys.stderr if tty else _LineWriter(sys.stderr),
-                    dynamic_ncols=tty, ncols=None if tty else 90,
-                    mininterval=0.5 if tty else 10.0, delay=1.0 if tty else 5.0)
-
-
-class _LineWriter:
-    """File-like for tqdm that turns each redraw into one plain line."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text: str) -> None:
-        text = text.strip("\r\n")
-        if text.strip():
-            self.stream.write(text + "\n")
-
-    def flush(self) -> None:
-        self.stream.flush()
+        # To the launcher's progress file under ddpkit train/launch, else a tqdm bar.
+        return progress.open_bar(self, epoch, total)
 
 
 def _gather_lists(values: list[float], device: torch.device) -> list[list[float]]:

@@ -1,0 +1,103 @@
+"""Rank 0's progress during an epoch: to the launcher, or drawn here.
+
+Under ``ddpkit train``/``ddpkit launch`` rank 0's output reaches the terminal through
+the launcher's pipes, so a bar drawn here would never be live. The launcher names a
+file in ``DDPKIT_PROGRESS_FILE`` instead: :class:`FileBar` appends one small JSON record
+to it a few times a second (step, total steps, epoch, samples/s, the epoch's running
+loss) and the launcher draws it (``ddpkit.console``): a live status line on a terminal,
+a plain line now and then otherwise.
+
+Under another launcher (plain torchrun, srun, mpirun) there is no such file: a tqdm bar
+on stderr, redrawn in place on a terminal and as a whole line every 10 s otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+from ddpkit.console import PROGRESS_ENV
+
+WRITE_EVERY_S = 0.25  # records per second to the launcher, at most about 4
+
+
+def open_bar(trainer: Any, epoch: int, total: int | None) -> Any:
+    """A bar for ``epoch`` with ``update(samples)`` and ``close()``; rank 0 only."""
+    path = os.environ.get(PROGRESS_ENV)
+    if path:
+        return FileBar(path, trainer, epoch)
+    return _tqdm_bar(trainer.cfg.train.epochs, epoch, total)
+
+
+class FileBar:
+    """Appends progress records for the launcher to draw (see the module docstring)."""
+
+    def __init__(self, path: str, trainer: Any, epoch: int):
+        self.trainer, self.epoch = trainer, epoch
+        self.start = self.last = time.perf_counter()
+        self.seen = 0
+        try:
+            self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        except OSError:
+            self.file = None  # no launcher to read it any more: stay quiet
+
+    def update(self, samples: int) -> None:
+        self.seen += samples
+        now = time.perf_counter()
+        if now - self.last >= WRITE_EVERY_S:
+            self.last = now
+            self._write(now)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self._write(time.perf_counter())
+            self.file.close()
+            self.file = None
+
+    def _write(self, now: float) -> None:
+        if self.file is None:
+            return
+        t = self.trainer
+        sums = getattr(t, "_sums", None)
+        loss = sums.local().loss if sums is not None else float("nan")
+        elapsed = now - self.start
+        record = {"step": t.loop.step, "total_steps": getattr(t, "total_steps", None),
+                  "epoch": self.epoch + 1, "epochs": t.cfg.train.epochs,
+                  "samples_per_s": self.seen / elapsed if elapsed > 0 else None,
+                  "loss": loss if math.isfinite(loss) else None}
+        try:
+            self.file.write(json.dumps(record) + "\n")
+        except OSError:
+            self.file = None
+
+
+def _tqdm_bar(epochs: int, epoch: int, total: int | None) -> Any:
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    # On a pipe or file redraws with "\r" would pile up into one line, so there we print
+    # whole lines, rarely.
+    return tqdm(total=total, desc=f"epoch {epoch + 1}/{epochs}",
+                unit="sample", unit_scale=True, leave=False,
+                file=sys.stderr if tty else _LineWriter(sys.stderr),
+                dynamic_ncols=tty, ncols=None if tty else 90,
+                mininterval=0.5 if tty else 10.0, delay=1.0 if tty else 5.0)
+
+
+class _LineWriter:
+    """File-like for tqdm that turns each redraw into one plain line."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.strip("\r\n")
+        if text.strip():
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
