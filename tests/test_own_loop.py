@@ -126,7 +126,7 @@ def test_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, tm
     code, text = _run(run, "--max-restarts", "1", DDPKIT_TEST_KILL_AT_STEP="23:1")
     assert code == 0, text[-3000:]
     assert "exitcode: -9" in text  # the agent saw the SIGKILL...
-    assert "resumed at step 20 (epoch 2, sample 128)" in text  # ...and the restart resumed
+    assert "resumed at step 20 (epoch 2, sample 128 of 512)" in text  # ...and the restart resumed
     _assert_same_params(run, reference)
     _assert_every_sample_once(run, reference)
     _assert_metrics_continue(run, reference)
@@ -158,7 +158,7 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_resumes
 
     code, text = _run(run)
     assert code == 0, text[-3000:]
-    assert "resumed at step 7 (epoch 1, sample 224)" in text
+    assert "resumed at step 7 (epoch 1, sample 224 of 512)" in text
     assert "done: 32 steps (this attempt from step 7)" in text
     _assert_same_params(run, reference)
     _assert_every_sample_once(run, reference)

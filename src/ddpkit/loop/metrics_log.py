@@ -82,7 +82,8 @@ def truncate_records(run_dir: str | os.PathLike, step: int) -> None:
     run_dir = Path(run_dir)
     jsonl = run_dir / JSONL_FILE
     if jsonl.exists():
-        kept = [r for r in read_records(jsonl) if int(r.get("step", 0)) <= step]
+        # A record without a step is a leftover of something else: it goes too.
+        kept = [r for r in read_records(jsonl) if int(r.get("step", step + 1)) <= step]
         _replace(jsonl, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
     table = run_dir / CSV_FILE
     if table.exists():

@@ -49,7 +49,7 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -107,17 +107,24 @@ class Run:
     * ``config``: a dataclass or JSON-able mapping of the settings that must not change
       across a resume; a checkpoint written under others is refused, naming them.
     * ``collective_timeout``: seconds a collective may wait before the missing rank is
-      named (default: the process group's timeout). ``resume=False`` ignores existing
-      checkpoints (a new run in a used directory is refused instead).
+      named (default: the process group's timeout). ``resume=False``: entering does not
+      look for checkpoints (call :meth:`restore` yourself, or start over).
     * ``log_every``: write a metrics record every N steps (None: only values given to
       :meth:`log`). ``log_with``: ``("csv", "tensorboard")`` besides metrics.jsonl.
     * ``log_sample_ids``: every rank logs the ids it trained on at each step (see
       :mod:`ddpkit.loop.sample_ids`), for audits and tests.
+
+    For applications built on it (``ddpkit train``): ``directory=None`` keeps
+    everything in memory (no files, no checkpoints); ``checkpoints=False`` writes logs
+    but no checkpoints (and catches no stop signal: nothing could keep the work);
+    ``config_check(saved_config, source)`` replaces the fingerprint check with the
+    caller's own rule; ``inject_faults=False`` leaves the ``DDPKIT_TEST_*`` variables
+    to the caller.
     """
 
     def __init__(
         self,
-        directory: str | os.PathLike,
+        directory: str | os.PathLike | None,
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
@@ -133,6 +140,9 @@ class Run:
         log_every: int | None = None,
         log_with: Iterable[str] = (),
         log_sample_ids: bool = False,
+        checkpoints: bool = True,
+        config_check: Callable[[Any, str], None] | None = None,
+        inject_faults: bool = True,
     ):
         if collective_timeout is not None and collective_timeout <= 0:
             raise ConfigError(f"collective_timeout must be > 0 seconds, got {collective_timeout}")
@@ -143,7 +153,10 @@ class Run:
         for name, obj in (state or {}).items():
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise ConfigError(f"state[{name!r}] has no state_dict()/load_state_dict()")
-        self.dir = Path(directory)
+        self.dir = Path(directory) if directory is not None else None
+        self.checkpoints = checkpoints and self.dir is not None
+        self.config_check = config_check
+        self.inject_faults = inject_faults
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.sampler = sampler
         self.state = dict(state or {})
@@ -181,37 +194,53 @@ class Run:
         self._last_epoch = 0  # the epoch of the last batch handed out
         self._clock = time.perf_counter()
         self._clock_step = 0
-        self._entered = False
+        self._entered = 0  # blocks entered so far
+        self._prepared = False
+        self._restore_done = False
+        self._token = ""
 
     # ------------------------------------------------------------------ enter / exit
+    def prepare(self) -> None:
+        """Collective, once: make the directory and the checkpoint store now (entering
+        does it otherwise), e.g. to reach ``checkpointer`` early."""
+        if self._prepared:
+            return
+        self._prepared = True
+        self._token = self._agree_on_directory()
+        if self.checkpoints:
+            self.checkpointer = Checkpointer(self.dir / CHECKPOINT_DIR, keep=self.keep)
+
     def __enter__(self) -> Run:
-        if self._entered:
-            raise ConfigError("a Run is entered once; make a new Run for a new block")
-        self._entered = True
-        token = self._agree_on_directory()
+        if self._stack is not None:
+            raise ConfigError("this Run is entered already; blocks of one Run do not nest")
+        self._entered += 1
         stack = contextlib.ExitStack()
         try:
-            self.checkpointer = Checkpointer(self.dir / CHECKPOINT_DIR, keep=self.keep)
+            self.prepare()
             if _initialized():
+                # Each block has its own progress keys: a watchdog does not outlive it.
                 timeout = self.collective_timeout or DEFAULT_TIMEOUT.total_seconds()
-                board = ProgressBoard(prefix=f"ddpkit/progress/{token}")
+                board = ProgressBoard(prefix=f"ddpkit/progress/{self._token}/{self._entered}")
                 self.watchdog = Watchdog(timeout, board=board)
                 stack.callback(self.watchdog.close)
-                if self.collective_timeout is not None:
-                    set_collective_timeout(self.collective_timeout)
-                    stack.callback(set_collective_timeout, DEFAULT_TIMEOUT.total_seconds())
-            self._restore()
-            if threading.current_thread() is threading.main_thread():
+            if self.collective_timeout is not None and _initialized():
+                set_collective_timeout(self.collective_timeout)
+                stack.callback(set_collective_timeout, DEFAULT_TIMEOUT.total_seconds())
+            if self.resume and not self._restore_done:
+                self._restore(quiet=True)
+            on_main_thread = threading.current_thread() is threading.main_thread()
+            if self.checkpointer is not None and on_main_thread:
                 stack.enter_context(self.guard)
-            if self.is_main:
+            if self.is_main and self.dir is not None:
                 self._metrics = MetricLog(self.dir, self.log_with, start_step=self.step)
                 stack.callback(self._metrics.close)
-            if self.log_sample_ids:
+            if self.log_sample_ids and self.dir is not None:
                 self._samples = SampleLog(self.dir, self.rank)
                 stack.callback(self._samples.close)
-            restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-            self.hooks += inject.step_hooks(os.environ, self.rank, restarts,
-                                            lambda: self.guard.requested)
+            if self.inject_faults and self._entered == 1:
+                restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+                self.hooks += inject.step_hooks(os.environ, self.rank, restarts,
+                                                lambda: self.guard.requested)
         except BaseException:
             stack.close()
             raise
@@ -227,17 +256,23 @@ class Run:
                 # The exception left the user's step inside its guard: a collective
                 # timeout there becomes a HangError naming the ranks behind.
                 step_guard.__exit__(exc_type, exc, tb)
-            if exc_type is None and not self.preempted and self.step > self._saved_step:
+            if (exc_type is None and not self.preempted and self.checkpointer is not None
+                    and self.step > self._saved_step):
                 self.save("final")
         finally:
             if stack is not None:
                 stack.close()
 
+    @property
+    def active(self) -> bool:
+        """Whether the run is entered (inside its ``with`` block)."""
+        return self._stack is not None
+
     def _agree_on_directory(self) -> str:
         """Rank 0 creates the directory; every rank learns a token naming this attempt's
         progress keys in the store, or every rank raises rank 0's error."""
         proposal: list[str | None] = [uuid.uuid4().hex[:12], None]
-        if self.is_main:
+        if self.is_main and self.dir is not None:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
             except OSError as err:
@@ -267,41 +302,65 @@ class Run:
             set_collective_timeout(short)
 
     # ------------------------------------------------------------------ resume
-    def _restore(self) -> None:
+    def restore(self, *, required: bool = False) -> dict[str, Any] | None:
+        """Collective: continue from the newest good checkpoint now (entering the run
+        does this by itself unless ``resume=False``). Returns what
+        :func:`ddpkit.checkpoint.restore_state` reports, or None when there is nothing to
+        resume (a warning; an error with ``required=True``)."""
+        self.prepare()
+        if self.checkpointer is None:
+            raise ConfigError("cannot resume: this run keeps no checkpoints")
+        return self._restore(quiet=False, required=required)
+
+    def _restore(self, *, quiet: bool, required: bool = False) -> dict[str, Any] | None:
+        self._restore_done = True
+        if self.checkpointer is None:
+            self._sync_logs()
+            return None
         with self._patient():
             state = self.checkpointer.load_latest()
         if state is None:
+            if required:
+                raise CheckpointError(f"no usable checkpoint in {self.checkpointer.dir}; "
+                                      "nothing to resume")
+            if not quiet:
+                log.warning(f"no checkpoint in {self.checkpointer.dir} yet: starting from step 0")
             self._sync_logs()
-            return
+            return None
         source = f"checkpoint of step {state.get('step')} in {self.checkpointer.dir}"
-        if not self.resume:
-            raise CheckpointError(f"{self.dir} already holds a run ({source}); resume it, or "
-                                  "choose a new directory")
         ours = (state.get("extra") or {}).get("run")
         if not isinstance(ours, dict) or ours.get("format") != FORMAT:
-            raise CheckpointError(f"{source} was not written by ddpkit.Run; cannot resume it")
-        restore_state(state, model=self.model, optimizer=self.optimizer,
-                      scheduler=self.scheduler, config=self.config, source=source)
+            raise CheckpointError(f"{source} was not written by ddpkit.Run or ddpkit train; "
+                                  "cannot resume it")
+        if self.config_check is not None:
+            self.config_check(state.get("config"), source)
+        info = restore_state(state, model=self.model, optimizer=self.optimizer,
+                             scheduler=self.scheduler, source=source,
+                             config=None if self.config_check is not None else self.config)
         saved = state["extra"]["state"]
         missing = sorted(set(self.state) - set(saved))
         if missing:
             raise CheckpointError(f"{source} has no state for {missing}; it was saved without it")
-        for name, obj in self.state.items():
-            obj.load_state_dict(saved[name])
         self.step = self.start_step = self._saved_step = int(ours["step"])
         self.epoch, self.position = int(ours["epoch"]), int(ours["position"])
         if self.sampler is not None and "sampler" in state:
             self.sampler.load_state_dict(state["sampler"])  # checks seed and data size
             self.epoch, self.position = self.sampler.epoch, self.sampler.position
+        for name, obj in self.state.items():
+            obj.load_state_dict(saved[name])
         self.resumed_from = self.checkpointer.path_for(self.step)
         self._last_epoch = self.epoch if self.position else max(self.epoch - 1, 0)
         self._sync_logs()
-        log.info(f"resumed at step {self.step} (epoch {self.epoch + 1}, sample {self.position}) "
-                 f"from {source}")
+        of = f" of {self.sampler.num_samples}" if self.sampler is not None else ""
+        log.info(f"resumed at step {self.step} (epoch {self.epoch + 1}, sample "
+                 f"{self.position}{of}) from {source}")
+        return info
 
     def _sync_logs(self) -> None:
         """Logs describe exactly the steps that led to the current state: lines of steps
         past it would be replayed and count twice."""
+        if self.dir is None:
+            return
         if self.is_main:
             truncate_records(self.dir, self.step)
             truncate_sample_logs(self.dir, self.step)
@@ -318,10 +377,12 @@ class Run:
     def save(self, reason: str = "manual") -> Path:
         """Collective: write a checkpoint of the current step now (every rank calls it)."""
         if self.checkpointer is None:
-            raise ConfigError("Run.save() needs the run entered first: `with run:`")
+            raise ConfigError("Run.save() needs a run that keeps checkpoints, entered first "
+                              "(`with run:`)")
         meta: dict[str, Any] = {"epoch": self.epoch}
         if self.config is not None:
             meta["fingerprint"] = config_fingerprint(self.config)
+            meta["config"] = self.config
         with self._guarded("checkpoint"), self._patient():
             state = collect_state(
                 model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
@@ -428,14 +489,15 @@ class Run:
             step_guard, self._step_guard = self._step_guard, None
             step_guard.__exit__(None, None, None)
 
-    def step_done(self, **values: float | torch.Tensor) -> bool:
+    def step_done(self, *, save: bool = True, **values: float | torch.Tensor) -> bool:
         """Collective: one optimizer step is done. Returns True when the run must stop.
 
         Counts the step, writes the sample-id line, every ``log_every`` steps writes a
         metrics record with the mean over ranks of ``values`` (floats or 0-dim tensors,
         the same names on every rank; other steps leave them untouched), and agrees with
         the other ranks on stop/save: a due checkpoint is written here; on a stop, the
-        ``preempted`` one, and :meth:`batches`/:meth:`epochs` end.
+        ``preempted`` one, and :meth:`batches`/:meth:`epochs` end. ``save=False``: agree,
+        but write nothing (the caller saves, e.g. after an epoch's evaluation).
         """
         if self._stack is None:
             raise ConfigError("run.step_done() outside the run: enter it first (`with run:`)")
@@ -448,11 +510,14 @@ class Run:
             hook(self.step)
         if self.log_every and self.step % self.log_every == 0:
             self.log(**values)
-        return self.check()
+        return self.check(save=save)
 
     def check(self, *, save: bool = True) -> bool:
         """Collective: agree on stop/save at this step (``step_done`` calls it); with
-        ``save=False`` nothing is written and the caller saves. True: stop now."""
+        ``save=False`` nothing is written and the caller saves. True: stop now.
+        A run that keeps no checkpoints has nothing to agree on: False, no collective."""
+        if self.checkpointer is None:
+            return False
         with self._guarded("step_check"):
             stop, due = self.guard.check(self.step, save_due=self.cadence.due(self.step))
         if stop and not self.stop_requested:

@@ -1,81 +1,9 @@
-"""Which samples each rank trained on, step by step: proof that none is lost or repeated.
+"""Which samples each rank trained on, step by step (``--log-sample-ids``).
 
-With ``--log-sample-ids`` every rank appends one JSON line per optimizer step to
-``<run dir>/sample_ids/rank<r>.jsonl``::
-
-    {"step": 13, "epoch": 1, "rank": 0, "ids": [812, 5, ...]}
-
-``step`` counts optimizer steps from the start of the run (1 = the first step), ``ids``
-are the real samples of that rank's share of the global batch (padding left out).
-
-Replay after a resume: the steps after the checkpoint a run resumes from are trained
-again, so their old lines are superseded. On every start from a checkpoint rank 0
-rewrites each file keeping only lines with ``step <=`` the checkpoint's step (and
-drops a line cut short by a crash) before any rank trains. The files then always
-describe exactly the steps that produced the current model, and over a whole epoch the
-ids of all ranks' files are every sample of the data set once.
+The log is :class:`ddpkit.Run`'s, which ``ddpkit train`` is built on: see
+:mod:`ddpkit.loop.sample_ids` for the format and the replay rule after a resume.
 """
 
-from __future__ import annotations
+from ddpkit.loop.sample_ids import SAMPLE_DIR, SampleLog, read_sample_logs, truncate_sample_logs
 
-import json
-import os
-from collections.abc import Iterable
-from pathlib import Path
-from typing import IO, Any
-
-SAMPLE_DIR = "sample_ids"
-
-
-class SampleLog:
-    """One rank's append-only log; a line is flushed to the OS as soon as it is written,
-    so a process killed later cannot take it along."""
-
-    def __init__(self, run_dir: str | os.PathLike, rank: int):
-        self.path = Path(run_dir) / SAMPLE_DIR / f"rank{rank}.jsonl"
-        self.rank = rank
-        self._fh: IO[str] | None = None
-
-    def write(self, step: int, epoch: int, ids: Iterable[int]) -> None:
-        if self._fh is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open("a")
-        record = {"step": step, "epoch": epoch, "rank": self.rank, "ids": list(ids)}
-        self._fh.write(json.dumps(record) + "\n")
-        self._fh.flush()
-
-    def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-
-def _records(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the last line of a process killed mid-write
-        if isinstance(record, dict) and "step" in record:
-            out.append(record)
-    return out
-
-
-def truncate_sample_logs(run_dir: str | os.PathLike, step: int) -> None:
-    """Keep only the lines of steps ``<= step`` in every rank's file (rank 0 only)."""
-    directory = Path(run_dir) / SAMPLE_DIR
-    if not directory.is_dir():
-        return
-    for path in sorted(directory.glob("rank*.jsonl")):
-        kept = [r for r in _records(path) if r["step"] <= step]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, path)
-
-
-def read_sample_logs(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every rank's records, ordered by (step, rank)."""
-    directory = Path(run_dir) / SAMPLE_DIR
-    records = [r for path in sorted(directory.glob("rank*.jsonl")) for r in _records(path)]
-    return sorted(records, key=lambda r: (r["step"], r["rank"]))
+__all__ = ["SAMPLE_DIR", "SampleLog", "read_sample_logs", "truncate_sample_logs"]

@@ -15,8 +15,9 @@ Everything needed to continue the loop lives in :class:`LoopState` (epoch, step,
 sampler position, history); :meth:`Trainer.state_dict` adds the model and optimizer.
 That is the seam for checkpoint/resume, and ``step_callbacks`` run after every step.
 
-Fault tolerance (docs/checkpoints.md) is composed from ``ddpkit.checkpoint`` and
-``ddpkit.fault``, all at step boundaries, where every rank is at the same point:
+Fault tolerance (docs/checkpoints.md) is :class:`ddpkit.Run`'s, the object a user's own
+loop enters too (docs/own-loop.md); all of it at step boundaries, where every rank is at
+the same point:
 
 * after each step one tiny all-reduce (:meth:`PreemptionGuard.check`) agrees on "stop"
   (a SIGTERM/SIGUSR1 reached some rank) and "save" (the step or time cadence is due on
@@ -33,10 +34,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,26 +45,19 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ddpkit.checkpoint import (
-    Cadence,
-    Checkpointer,
-    CheckpointError,
-    collect_state,
-    config_fingerprint,
-    restore_state,
-)
+from ddpkit.checkpoint import Checkpointer, CheckpointError
 from ddpkit.data.datasets import ArrayDataset
 from ddpkit.data.partition import ShardBatch, ShardSampler
 from ddpkit.errors import ConfigError
-from ddpkit.fault import PreemptionGuard, ProgressBoard, Watchdog, set_collective_timeout
+from ddpkit.fault import PreemptionGuard, Watchdog
 from ddpkit.log import get_logger
+from ddpkit.loop import Run
 from ddpkit.parallel import data_parallel
-from ddpkit.runtime import DEFAULT_TIMEOUT
 from ddpkit.train import progress, recipe, report
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums, gather_floats
 from ddpkit.train.resume import refuse_changed_config
-from ddpkit.train.sample_log import SampleLog, truncate_sample_logs
+from ddpkit.train.sample_log import truncate_sample_logs
 from ddpkit.world import World
 
 log = get_logger(__name__)
@@ -159,32 +151,33 @@ class Trainer:
         self.loop = LoopState(sampler=self.sampler.state_dict())
         self.step_callbacks: list[Callable[[Trainer], None]] = []
         self.write = write
-        run_dir, token = self._agree_on_run(run_dir)
+        run_dir = self._agree_on_run(run_dir)
         self.run_dir = Path(run_dir) if write else None
 
         c = cfg.checkpoint
-        self.checkpointer = (Checkpointer(self.run_dir / report.CHECKPOINT_DIR, keep=c.keep)
-                             if write and c.enabled else None)
-        self.cadence = Cadence(c.every_steps, c.every_seconds)
-        self.preemption = PreemptionGuard(device=self.device)
+        # The run owns checkpoints, the data position, per-rank RNG, the stop agreement,
+        # the watchdog and the sample-id log; the trainer adds its loop state to it.
+        self.run = Run(
+            self.run_dir, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
+            every_steps=c.every_steps, every_seconds=c.every_seconds, keep=c.keep,
+            state={"loop": self.loop, "precision": self.precision,
+                   "epoch_sums": _EpochSums(self)},
+            config=cfg.identity(), config_check=self._refuse_changed_config,
+            collective_timeout=cfg.fault.collective_timeout, resume=False,
+            log_sample_ids=t.log_sample_ids, checkpoints=c.enabled, inject_faults=False,
+        )
+        self.run.hooks.append(self._step_callbacks)
+        self.run.prepare()  # collective: an unwritable checkpoint directory fails here
         self.preempted = False  # set when a stop signal ended fit() early
-        self.watchdog = None
-        if dist.is_initialized():
-            timeout = cfg.fault.collective_timeout or DEFAULT_TIMEOUT.total_seconds()
-            board = ProgressBoard(prefix=f"ddpkit/progress/{token}")
-            self.watchdog = Watchdog(timeout, board=board)
-        self.sample_log = (SampleLog(self.run_dir, world.rank)
-                           if write and t.log_sample_ids else None)
         # Running metric sums of the epoch in progress (checkpointed mid-epoch).
         self._sums: MetricSums | None = None
         self._resumed_sums: MetricSums | None = None
 
     # ------------------------------------------------------------------ setup
-    def _agree_on_run(self, run_dir: str | os.PathLike | None) -> tuple[str | None, str]:
-        """Rank 0 creates the run directory (unless ``write=False``) and picks a token
-        naming this run's progress keys in the store; every rank learns both, or every
-        rank raises rank 0's error (none is left waiting)."""
-        proposal: list[str | None] = [None, uuid.uuid4().hex[:12], None]
+    def _agree_on_run(self, run_dir: str | os.PathLike | None) -> str | None:
+        """Rank 0 creates the run directory (unless ``write=False``); every rank learns
+        its name, or every rank raises rank 0's error (none is left waiting)."""
+        proposal: list[str | None] = [None, None, None]
         if self.world.is_main and self.write:
             try:
                 if run_dir is not None:
@@ -202,41 +195,32 @@ class Trainer:
             dist.broadcast_object_list(proposal, src=0)
         if proposal[2] is not None:
             raise ConfigError(proposal[2])
-        return proposal[0], proposal[1]
+        return proposal[0]
+
+    # The run's pieces under the names this class always had.
+    @property
+    def checkpointer(self) -> Checkpointer | None:
+        return self.run.checkpointer
+
+    @property
+    def preemption(self) -> PreemptionGuard:
+        return self.run.guard
+
+    @property
+    def watchdog(self) -> Watchdog | None:
+        return self.run.watchdog
 
     def _guard(self, step: int, name: str) -> contextlib.AbstractContextManager:
         return self.watchdog.guard(step, name) if self.watchdog else contextlib.nullcontext()
 
-    @contextlib.contextmanager
-    def _patient(self) -> Iterator[None]:
-        """Checkpoint I/O may outlast a tight collective timeout: relax it meanwhile."""
-        short = self.cfg.fault.collective_timeout
-        if short is None or not dist.is_initialized():
-            yield
-            return
-        set_collective_timeout(max(short, DEFAULT_TIMEOUT.total_seconds()))
-        try:
-            yield
-        finally:
-            set_collective_timeout(short)
+    def _step_callbacks(self, step: int) -> None:
+        for callback in self.step_callbacks:
+            callback(self)
 
-    @contextlib.contextmanager
-    def _fault_handling(self) -> Iterator[None]:
-        """Around fit(): signal handlers, the tight collective timeout, the watchdog."""
-        with contextlib.ExitStack() as stack:
-            main_thread = threading.current_thread() is threading.main_thread()
-            if self.checkpointer is not None and main_thread:
-                # A stop signal is only worth catching when a checkpoint can keep the work.
-                stack.enter_context(self.preemption)
-            short = self.cfg.fault.collective_timeout
-            if short is not None and dist.is_initialized():
-                set_collective_timeout(short)
-                stack.callback(set_collective_timeout, DEFAULT_TIMEOUT.total_seconds())
-            if self.watchdog is not None:
-                stack.callback(self.watchdog.close)
-            if self.sample_log is not None:
-                stack.callback(self.sample_log.close)
-            yield
+    def _refuse_changed_config(self, saved: Any, source: str) -> None:
+        if saved is None:
+            raise CheckpointError(f"{source} was not written by ddpkit train; cannot resume it")
+        refuse_changed_config(saved, self.cfg, source)
 
     @property
     def num_parameters(self) -> int:
@@ -258,6 +242,9 @@ class Trainer:
         self.precision.load_state_dict(state.get("precision"))
         self.loop.load_state_dict(state["loop"])
         self.sampler.load_state_dict(self.loop.sampler)
+        run = self.run  # the run counts steps and data from here
+        run.step = run.start_step = self.loop.step
+        run.epoch, run.position = self.sampler.epoch, self.sampler.position
         if "epoch_sums" in state:
             self._resumed_sums = MetricSums.from_values(state["epoch_sums"], self.device)
 
@@ -266,25 +253,7 @@ class Trainer:
         """Collective: write the job's state as a checkpoint of the current step."""
         if self.checkpointer is None:
             raise ConfigError("checkpoints are disabled for this trainer (--no-checkpoints)")
-        identity = self.cfg.identity()
-        with self._guard(self.loop.step, "checkpoint"), self._patient():
-            mine = self._sums.values() if self._sums else [0.0, 0.0, 0.0]
-            state = collect_state(
-                model=self.model, optimizer=self.optimizer, step=self.loop.step,
-                epoch=self.loop.epoch, config=identity,
-                extra={"loop": self.state_dict()["loop"],
-                       "precision": self.precision.state_dict(),
-                       "epoch_sums": _gather_lists(mine, self.device)},
-            )
-            path = self.checkpointer.save(
-                state, self.loop.step, reason=reason,
-                meta={"epoch": self.loop.epoch, "fingerprint": config_fingerprint(identity),
-                      "config": identity},
-            )
-        self.cadence.saved()
-        if reason in ("final", "preempted"):
-            log.info(f"checkpoint of step {self.loop.step} ({reason}): {path}")
-        return path
+        return self.run.save(reason)
 
     def restore(self, *, required: bool = False) -> dict[str, Any] | None:
         """Collective: continue from the newest good checkpoint of the run directory.
@@ -301,35 +270,7 @@ class Trainer:
             log.warning("checkpoints are disabled (--no-checkpoints): starting from step 0")
             self._sync_logs()
             return None
-        with self._patient():
-            state = self.checkpointer.load_latest()
-        if state is None:
-            if required:
-                raise CheckpointError(
-                    f"no usable checkpoint in {self.checkpointer.dir}; nothing to resume"
-                )
-            log.warning(f"no checkpoint in {self.checkpointer.dir} yet: starting from step 0")
-            self._sync_logs()
-            return None
-        source = f"checkpoint of step {state.get('step')}"
-        extra = state.get("extra") or {}
-        if "config" not in state or "loop" not in extra:
-            raise CheckpointError(f"{source} was not written by ddpkit train; cannot resume it")
-        refuse_changed_config(state["config"], self.cfg, f"{source} in {self.checkpointer.dir}")
-        info = restore_state(state, model=self.model, optimizer=self.optimizer, source=source)
-        self.loop.load_state_dict(extra["loop"])
-        self.precision.load_state_dict(extra.get("precision"))
-        self.sampler.load_state_dict(self.loop.sampler)
-        sums = extra.get("epoch_sums") or []
-        if len(sums) == self.world.world_size:
-            mine = sums[self.world.rank]
-        else:  # other world size: the epoch's job-wide totals stay exact on rank 0
-            mine = [sum(col) for col in zip(*sums)] if self.world.is_main and sums else [0.0] * 3
-        self._resumed_sums = MetricSums.from_values(list(mine), self.device)
-        self._sync_logs()
-        log.info(f"resumed at step {self.loop.step} (epoch {self.loop.epoch + 1}, sample "
-                 f"{self.sampler.position} of {len(self.train_set)}) from {source}")
-        return info
+        return self.run.restore(required=required)
 
     def _sync_logs(self) -> None:
         """Make the run's logs describe exactly the steps that led to the current state:
@@ -346,40 +287,42 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def train_epoch(self) -> dict[str, Any]:
+        """Train the epoch in progress (to its end, or to an agreed stop)."""
+        if not self.run.active:  # called on its own, outside fit(): a block of its own
+            with self.run:
+                return self.train_epoch()
         self.model.train()
-        epoch = self.loop.epoch
-        if self.sampler.epoch < epoch:
-            self.sampler.set_epoch(epoch)
-        # A state saved right after an epoch's last step has the sampler already in the
-        # next epoch (position 0): that epoch's training is done, only evaluation is left.
-        batches = self.sampler.batches() if self.sampler.epoch == epoch else iter(())
+        epoch, run = self.loop.epoch, self.run
+        if run.epoch < epoch:
+            run.epoch, run.position = epoch, 0
+        # A state saved right after an epoch's last step has the data position already in
+        # the next epoch: that epoch's training is done, only evaluation is left. The run
+        # counts the position and ends the batches on every rank when a signal stops it.
+        batches = run.batches() if run.epoch == epoch else iter(())
         # Resumed mid-epoch: the sums continue where the checkpoint left them.
         sums = self._resumed_sums or MetricSums(self.device)
         self._sums, self._resumed_sums = sums, None
-        total = len(self.train_set) if self.sampler.position == 0 else None
+        total = len(self.train_set) if run.position == 0 else None
         bar = self._progress(epoch, total)
         start = time.perf_counter()
         seen = 0
         for group in recipe.accumulation_groups(batches, self.cfg.train.grad_accum):
-            with self._guard(self.loop.step + 1, "train_step"):
-                self.train_step(group, sums)
+            self.train_step(group, sums)  # inside the run's 'train_step' watchdog guard
             self.loop.step += 1
             self.loop.sampler = self.sampler.state_dict()
-            if self.sample_log is not None:
-                self.sample_log.write(self.loop.step, epoch,
-                                      [i for b in group for i in b.indices[: b.num_real]])
             num_real = sum(b.global_num_real for b in group)
             seen += num_real
             if bar is not None:
                 bar.update(num_real)
-            for callback in self.step_callbacks:
-                callback(self)
-            if self._at_step_boundary(epoch_done=self.sampler.epoch != epoch):
-                break
+            # Sample ids, step_callbacks, then the stop/save agreement. At an epoch's last
+            # step nothing is written there: the epoch-end checkpoint follows right after
+            # evaluation and carries the epoch's record, so a stop requested there waits.
+            run.step_done(save=run.epoch == epoch)
         seconds = time.perf_counter() - start
         if bar is not None:
             bar.close()
-        if self.preempted:  # every rank stopped at this step; the epoch is not over
+        if run.preempted:  # every rank stopped at this step; the epoch is not over
+            self.preempted = True
             return {}
         with self._guard(self.loop.step, "train_metrics"):
             totals = sums.reduce()
@@ -396,28 +339,6 @@ class Trainer:
             "train_time_s": seconds,
             "samples_per_s": seen / seconds if seconds > 0 else float("nan"),
         }
-
-    def _at_step_boundary(self, epoch_done: bool) -> bool:
-        """Agree on stop/save after a step (collective); True: stop now.
-
-        At an epoch's last step nothing is written here: the epoch-end checkpoint
-        follows right after evaluation and carries the epoch's record, so a stop
-        requested there waits for it.
-        """
-        if self.checkpointer is None:
-            return False
-        step = self.loop.step
-        with self._guard(step, "step_check"):
-            stop, save = self.preemption.check(step, save_due=self.cadence.due(step))
-        if epoch_done:
-            return False
-        if stop:
-            self.save_checkpoint("preempted")
-            self.preempted = True
-            return True
-        if save:
-            self.save_checkpoint("periodic")
-        return False
 
     def train_step(self, group: ShardBatch | list[ShardBatch], sums: MetricSums) -> None:
         """One optimizer step over ``group``'s batches (several with --grad-accum)."""
@@ -474,7 +395,7 @@ class Trainer:
                 f"{self.world.world_size} rank(s) x {self.sampler.local_batch_size} = global batch "
                 f"{t.batch_size}, engine {self.engine}"
             )
-        with self._fault_handling():
+        with self.run:  # signal handlers, the collective timeout, the watchdog, logs
             while self.loop.epoch < t.epochs:
                 record = {"epoch": self.loop.epoch + 1}
                 record.update(self.train_epoch())
@@ -550,6 +471,25 @@ class Trainer:
             return None
         # To the launcher's progress file under ddpkit train/launch, else a tqdm bar.
         return progress.open_bar(self, epoch, total)
+
+
+class _EpochSums:
+    """The epoch's running metric sums of every rank, for a checkpoint taken mid-epoch."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    def state_dict(self) -> list[list[float]]:
+        t = self.trainer  # a collective: the run saves on every rank
+        return _gather_lists(t._sums.values() if t._sums else [0.0, 0.0, 0.0], t.device)
+
+    def load_state_dict(self, sums: list[list[float]]) -> None:
+        t = self.trainer
+        if len(sums) == t.world.world_size:
+            mine = sums[t.world.rank]
+        else:  # other world size: the epoch's job-wide totals stay exact on rank 0
+            mine = [sum(col) for col in zip(*sums)] if t.world.is_main and sums else [0.0] * 3
+        t._resumed_sums = MetricSums.from_values(list(mine), t.device)
 
 
 def _gather_lists(values: list[float], device: torch.device) -> list[list[float]]:
