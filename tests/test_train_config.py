@@ -85,6 +85,8 @@ def _flag_value(f):
         return str((f.default if isinstance(f.default, int) else 0) + 2)
     if kind.startswith("float"):
         return "0.25"
+    if f.metadata["flag"] == "--log-with":  # names of metric writers
+        return "csv"
     if f.metadata["flag"] in ("--data", "--model"):  # a built-in name or a user's factory
         return "mypackage.module:factory"
     if f.metadata["flag"] == "--comm":  # checked in validate(), not by argparse choices

@@ -27,6 +27,7 @@ any process starts, as one line naming the key and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -126,6 +127,15 @@ class TrainConfig:
     log_sample_ids: bool = flag(
         "--log-sample-ids", "write the sample ids of every step, per rank, to <run dir>/"
         "sample_ids/ (to audit that none is lost or repeated)", default=False, group=RUN)
+    # Per-step records in metrics.jsonl besides the epoch records (ddpkit.Run's writers).
+    log_every_steps: int = flag(
+        "--log-every-steps", "also write the step's train loss and learning rate to "
+        "metrics.jsonl every N optimizer steps (default: 0, epoch records only)", default=0,
+        metavar="N", group=RUN)
+    log_with: str = flag(
+        "--log-with", "also write the records to csv (metrics.csv) and/or tensorboard (tb/, "
+        "needs pip install 'ddpkit[tensorboard]'), comma-separated", default="",
+        metavar="csv,tensorboard", group=RUN)
 
 
 @dataclass
@@ -245,6 +255,15 @@ class Config:
             raise bad("train.threads", f"must be >= 0, got {t.threads}")
         if not t.out_dir:
             raise bad("--out-dir", "must not be empty")
+        if t.log_every_steps < 0:
+            raise bad("--log-every-steps", f"must be >= 0, got {t.log_every_steps}")
+        writers = [w.strip() for w in t.log_with.split(",") if w.strip()]
+        unknown = [w for w in writers if w not in ("csv", "tensorboard")]
+        if unknown:
+            raise bad("--log-with", f"{unknown[0]!r} is not csv or tensorboard")
+        if "tensorboard" in writers and importlib.util.find_spec("tensorboard") is None:
+            raise bad("--log-with", "tensorboard needs the tensorboard package: "
+                      "pip install 'ddpkit[tensorboard]' (or use csv)")
         c = self.checkpoint
         if c.every_steps is not None and c.every_steps < 1:
             raise bad("--checkpoint-every-steps", f"must be >= 1, got {c.every_steps}")

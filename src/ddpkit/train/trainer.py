@@ -165,6 +165,7 @@ class Trainer:
             config=cfg.identity(), config_check=self._refuse_changed_config,
             collective_timeout=cfg.fault.collective_timeout, resume=False,
             log_sample_ids=t.log_sample_ids, checkpoints=c.enabled, inject_faults=False,
+            log_every=t.log_every_steps or None, log_with=t.log_with.split(","),
         )
         self.run.hooks.append(self._step_callbacks)
         self.run.prepare()  # collective: an unwritable checkpoint directory fails here
@@ -306,7 +307,10 @@ class Trainer:
         bar = self._progress(epoch, total)
         start = time.perf_counter()
         seen = 0
+        every = self.cfg.train.log_every_steps
         for group in recipe.accumulation_groups(batches, self.cfg.train.grad_accum):
+            record = every and (self.loop.step + 1) % every == 0  # a per-step record
+            before = sums.local() if record else None
             self.train_step(group, sums)  # inside the run's 'train_step' watchdog guard
             self.loop.step += 1
             self.loop.sampler = self.sampler.state_dict()
@@ -317,7 +321,12 @@ class Trainer:
             # Sample ids, step_callbacks, then the stop/save agreement. At an epoch's last
             # step nothing is written there: the epoch-end checkpoint follows right after
             # evaluation and carries the epoch's record, so a stop requested there waits.
-            run.step_done(save=run.epoch == epoch)
+            values = {}
+            if before is not None:  # this rank's mean loss over the step's real samples
+                after = sums.local()
+                values["train_loss"] = ((after.loss_sum - before.loss_sum)
+                                        / max(after.count - before.count, 1))
+            run.step_done(save=run.epoch == epoch, **values)
         seconds = time.perf_counter() - start
         if bar is not None:
             bar.close()
