@@ -20,8 +20,6 @@ import numpy as np
 from ddpkit.errors import ConfigError
 from ddpkit.plan.model import Cluster, Link, allreduce_time
 
-DEFAULT_SIZES = "4K:64M:4"
-
 
 @dataclass(frozen=True)
 class Calibration:
@@ -108,15 +106,3 @@ def points_from_bench_json(path: str | Path, algo: str = "backend") -> tuple[lis
     if len(ranks) != 1:
         raise ConfigError(f"{path} mixes rank counts {sorted(ranks)}; use one run")
     return [(int(r["bytes"]), float(r["time_us"]) * 1e-6) for r in rows], ranks.pop()
-
-
-def measure(nproc: int = 2, sizes: str = DEFAULT_SIZES, threads: int | None = 1,
-            repeats: int = 5):
-    """Run the collectives benchmark (torch's own all-reduce) and return its result."""
-    from ddpkit.bench import collectives as bench
-
-    cfg = bench.BenchConfig(op="all_reduce", algos=("backend",),
-                            sizes=tuple(bench.parse_sizes(sizes)), nproc=nproc,
-                            repeats=repeats, check=False, threads=threads)
-    bench.validate(cfg)
-    return bench.run(cfg)
