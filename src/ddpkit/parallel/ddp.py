@@ -261,8 +261,10 @@ class DataParallel(nn.Module, Joinable):
             self.reducer.disarm()
 
     def _sync_buffers(self, src: int) -> None:
+        # Through the transport: the shared segment under comm="shm" (no backend call in
+        # a steady-state step), torch's broadcast otherwise.
         if self.broadcast_buffers and self._buffers_to_sync and self.world_size > 1:
-            broadcast_coalesced(self._buffers_to_sync, src, self.group)
+            self.transport.broadcast(self._buffers_to_sync, src, every_step=True)
 
     # -- join ----------------------------------------------------------------------------
 
@@ -278,7 +280,7 @@ class DataParallel(nn.Module, Joinable):
     def _sync_final_state(self, src: int) -> None:
         """After join: ranks that stopped early take the last trainer's parameters."""
         tensors = [p.detach() for p in self.module.parameters()] + self._buffers_to_sync
-        broadcast_coalesced(tensors, src, self.group)
+        self.transport.broadcast(tensors, src)
 
     # torch's Joinable interface: torch.distributed.algorithms.Join([model, ...]) drives the
     # same shadowing as ddpkit.join (see ddpkit.parallel.join_state.TorchJoinHook).

@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ddpkit.errors import ConfigError
 
@@ -31,8 +30,8 @@ class JoinState:
         if active:
             flags[self.rank] = 1
             flags[-1] = int(sync)
-        if self.world_size > 1:
-            dist.all_reduce(flags, group=model.group)
+        if self.world_size > 1:  # the model's transport: no backend call under shm
+            model.transport.sum_(flags)
         values = flags.tolist()
         ranks = [r for r in range(self.world_size) if values[r]]
         if ranks:

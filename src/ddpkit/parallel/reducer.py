@@ -46,9 +46,14 @@ CommHook = Callable[[object, GradBucket], torch.futures.Future]
 
 
 class Transport(Protocol):
-    """The default path's all-reduce of one scaled bucket (ddpkit.parallel.transport)."""
+    """The default path's all-reduce of one scaled bucket, and the reducer's small
+    collectives (ddpkit.parallel.transport)."""
 
     def all_reduce(self, buffer: torch.Tensor) -> Any: ...
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int) -> None: ...
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -147,7 +152,9 @@ class Reducer:
         order = torch.zeros(len(self.params), dtype=torch.int64, device=self._comm_device())
         if len(self.ready_order) == len(self.params):
             order.copy_(torch.tensor(self.ready_order, dtype=torch.int64))
-        if self.world_size > 1:
+        if self.world_size > 1 and self.transport is not None:
+            self.transport.broadcast([order], src)
+        elif self.world_size > 1:
             dist.broadcast(order, group=self.group, group_src=src)
         order_list = order.tolist()
         if sorted(order_list) != list(range(len(self.params))):
@@ -296,7 +303,9 @@ class Reducer:
 
     def _reduce_used_flags(self) -> list[bool]:
         flags = torch.tensor(self.used, dtype=torch.int32, device=self._comm_device())
-        if self.world_size > 1:
+        if self.world_size > 1 and self.transport is not None:
+            self.transport.sum_(flags)
+        elif self.world_size > 1:
             dist.all_reduce(flags, group=self.group)
         return [bool(v) for v in flags.tolist()]
 

@@ -8,6 +8,13 @@ A transport owns two things of the engine's default (no comm hook) path:
   gradients were copied in) across the group, returning a handle with ``wait()`` or
   None when the sum is complete on return.
 
+It also carries the engine's other per-step traffic, so that a transport that avoids
+the backend avoids it for the whole step: ``broadcast(tensors, src)`` (the buffers
+before each forward, the bucket order at the rebuild, the final state after a join) and
+``sum_(tensor)`` (small integer vectors, blocking: the ``find_unused_parameters`` flags
+and join's per-forward "who still trains"). The backend transports make exactly the
+torch.distributed calls the engine always made; ``"shm"`` makes none on one host.
+
 ``"auto"`` (the default) is decided once per engine, from the devices of the module's
 parameters and the group's layout (:func:`ddpkit.comm.auto.algo_for`): CPU ranks that
 share a host get ``"shm"``; anything on an accelerator (CUDA -> NCCL), a group of one
@@ -37,6 +44,7 @@ from ddpkit.comm.shm.allreduce import ShmCommunicator
 from ddpkit.errors import CommError, ConfigError
 from ddpkit.log import get_logger
 from ddpkit.parallel.buckets import default_allocator
+from ddpkit.parallel.state_sync import BytePacker, broadcast_coalesced, broadcast_packed
 
 log = get_logger(__name__)
 
@@ -107,6 +115,16 @@ class BackendTransport:
     def all_reduce(self, buffer: torch.Tensor):
         return dist.all_reduce(buffer, group=self.group, async_op=True)
 
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int, *,
+                  every_step: bool = False) -> None:
+        """Overwrite ``tensors`` with group rank ``src``'s values (coalesced per dtype)."""
+        broadcast_coalesced(tensors, src, self.group)
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a small tensor across the group, in place, before returning."""
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
     def close(self) -> None:
         pass
 
@@ -136,6 +154,9 @@ class ShmTransport:
         self.comm = ShmCommunicator(group, **options)
         self._private_failed = False
         self._shared: list[weakref.ref] = []  # bucket buffers placed in the segment
+        self._packers: dict[tuple[int, ...], BytePacker] = {}  # broadcast lists -> packing
+        self._rank = dist.get_rank(group)
+        self._global = dist.get_process_group_ranks(group or dist.group.WORLD)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory lies in a bucket buffer this transport placed in
@@ -169,6 +190,44 @@ class ShmTransport:
             return dist.all_reduce(buffer, group=self.group, async_op=True)
         self.comm.all_reduce(buffer, "sum")
         return None
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int, *,
+                  every_step: bool = False) -> None:
+        """CPU tensors of any dtypes travel as bytes through the segment (on one host;
+        across hosts, and for other devices, the backend's broadcast). A list sent
+        ``every_step`` (the buffers before each forward) is packed into one message
+        whose layout is planned once; other lists go tensor by tensor, with no second
+        copy of a whole model in memory."""
+        if not tensors:
+            return
+        if self.comm.nhosts > 1 or any(t.device.type != "cpu" for t in tensors):
+            broadcast_coalesced(tensors, src, self.group)
+            return
+        root = self._global[src]
+        if not every_step:
+            with torch.no_grad():
+                for t in tensors:
+                    flat = t.detach().contiguous().view(-1).view(torch.uint8)
+                    self.comm.broadcast(flat, root)
+                    if flat.data_ptr() != t.data_ptr() and src != self._rank:
+                        t.copy_(flat.view(t.dtype).view(t.shape))
+            return
+        key = tuple(id(t) for t in tensors)
+        packer = self._packers.get(key)
+        if packer is None or any(a is not b for a, b in zip(packer.tensors, tensors)) or any(
+                v.shape != t.shape or v.dtype != t.dtype
+                for v, t in zip(packer.views, tensors)):
+            if len(self._packers) > 16:
+                self._packers.clear()
+            packer = self._packers[key] = BytePacker(tensors)
+        broadcast_packed(packer, src, src == self._rank,
+                         lambda flat, _: self.comm.broadcast(flat, root))
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type != "cpu":
+            dist.all_reduce(tensor, group=self.group)
+            return tensor
+        return self.comm.all_reduce(tensor, "sum")
 
     def close(self) -> None:
         self.comm.close()

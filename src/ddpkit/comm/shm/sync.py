@@ -112,7 +112,7 @@ class Control:
             )
         if waited > self.timeout:
             raise CommError(
-                f"{self.labels[peer]} did not reach a shared-memory collective within "
-                f"{self.timeout:.0f} s; every rank of the group must call the same "
+                f"timed out: {self.labels[peer]} did not reach a shared-memory collective "
+                f"within {self.timeout:.0f} s; every rank of the group must call the same "
                 "collectives in the same order"
             )
