@@ -250,7 +250,7 @@ def test_defaults_where_no_flag_is_given(tmp_path, monkeypatch):
     Path(script).write_text("")
     args = torchrun_args.parse([script])
     assert args.nproc_per_node == str(torchrun_args.default_nproc())
-    assert (args.tee, args.redirects, args.monitor_interval) == ("3", "0", 0.5)
+    assert (args.tee, args.redirects, args.monitor_interval) == ("3", "0", 0.1)  # torchrun's
     assert args.rdzv_backend == "static" and not args.rdzv_endpoint  # torch: a free port
     # an endpoint alone means c10d (torchrun's static would give every node rank 0) ...
     assert torchrun_args.parse(["--rdzv-endpoint", "h:1", script]).rdzv_backend == "c10d"

@@ -10,7 +10,6 @@ these places only:
 * ``--nproc-per-node``: one process per accelerator, or 2 on CPU (torchrun: 1);
 * ``--tee 3`` (torchrun: 0): every line a worker prints is prefixed ``[<role><local
   rank>]:``; not when ``--redirects`` is given (its output goes to files then);
-* ``--monitor-interval 0.5`` (torchrun: 0.1): fewer agent wake-ups, same behaviour;
 * ``--rdzv-endpoint`` without ``--rdzv-backend`` and without ``--node-rank`` means c10d
   (torchrun: static, under which every node would claim node rank 0).
 
@@ -34,7 +33,6 @@ DDPKIT_DEFAULTS = {
     "nproc_per_node": None,
     "tee": None,
     "redirects": "0",
-    "monitor_interval": 0.5,
     "rdzv_backend": None,
 }
 # Flags whose presence changes a decision above; their torchrun defaults are restored
@@ -92,7 +90,7 @@ def apply_defaults(args: argparse.Namespace) -> None:
         args.nproc_per_node = str(default_nproc())
     if "tee" not in given:
         args.tee = "0" if "redirects" in given else "3"
-    for dest in ("redirects", "monitor_interval"):
+    for dest in ("redirects",):
         if dest not in given:
             setattr(args, dest, DDPKIT_DEFAULTS[dest])
     if "rdzv_backend" not in given:

@@ -109,7 +109,7 @@ def forward_to_workers(signals: tuple[int, ...]) -> Iterator[None]:
 def run(args: argparse.Namespace) -> int:
     # Imports that need torch wait until they are needed: the launching process of a
     # default run never imports it (the workers do).
-    from ddpkit.launch import agent_needed, default_nproc, launch
+    from ddpkit.launch import default_nproc, launch
     from ddpkit.log import get_logger
     from ddpkit.train import resume
     from ddpkit.train.names import EXIT_PREEMPTED
@@ -153,21 +153,16 @@ def run(args: argparse.Namespace) -> int:
     opts.module = True
     quiet_omp_warning(opts)
     started = time.time()
-    if agent_needed(opts):
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-    else:
-        class SignalException(Exception):  # noqa: N818 - only the agent raises it
-            sigval = 0
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         with forward_to_workers((signal.SIGUSR1,)):
             code = launch(WORKER_MODULE, argv, opts)
     except SignalException as err:  # the agent forwarded it, the workers have stopped
         code = 128 + int(err.sigval)
-    # Without the agent a stopped worker exits EXIT_PREEMPTED itself; under the agent it
-    # exits 0 (or the agent reports the signal), so look at the newest checkpoint.
-    maybe_stopped = code != 0 or agent_needed(opts)
-    stopped = (resume.preempted_since(run_dir, started)
-               if run_dir is not None and maybe_stopped else None)
+    # Under the agent a stopped worker exits 0 (or the agent reports the signal), so the
+    # newest checkpoint tells whether the run was stopped.
+    stopped = resume.preempted_since(run_dir, started) if run_dir is not None else None
     if stopped is not None:
         print(f"ddpkit train: stopped by a signal at step {stopped.step}; checkpoint "
               f"{stopped.path}; continue with: ddpkit train --resume {run_dir}",

@@ -1,10 +1,5 @@
-"""The direct launcher (one node, no restarts) and the launcher's console.
-
-`ddpkit train` starts its workers without torchrun's agent and without importing torch
-itself; each worker gets torchrun's environment, its lines come back prefixed, a failing
-rank is named in one line. Rank 0's progress reaches the launcher through a file and is
-drawn as a live status line on a terminal, as plain periodic lines otherwise.
-"""
+"""The launcher's console: rank 0's progress reaches the launcher through a file and is
+drawn as a live status line on a terminal, as plain periodic lines otherwise."""
 
 from __future__ import annotations
 
@@ -16,82 +11,11 @@ import re
 import select
 import subprocess
 import sys
-import textwrap
 
 from conftest import ROOT
 from ddpkit.console import Console, describe
-from ddpkit.launch import LaunchOptions, launch
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-def test_the_launching_process_never_imports_torch(tmp_path):
-    """Everything `ddpkit train` does before its workers start, without torch."""
-    probe = textwrap.dedent(f"""
-        import sys
-        import ddpkit.launch_local as ll
-        from ddpkit import cli
-        seen = {{}}
-        def fake(cmd, nproc, console):
-            seen.update(cmd=cmd, nproc=nproc, torch="torch" in sys.modules)
-            return 0, []
-        ll.launch_local = fake
-        code = cli.main(["train", "--epochs", "1", "--out-dir", {str(tmp_path)!r}])
-        seen["torch_after"] = "torch" in sys.modules
-        print(code, seen)
-    """)
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         cwd=ROOT, timeout=60)
-    assert out.returncode == 0, out.stderr
-    code, seen = out.stdout.split(" ", 1)
-    assert code == "0"
-    seen = eval(seen)  # a dict literal we printed
-    assert seen["nproc"] == 2 and "ddpkit.train.worker" in seen["cmd"]
-    assert seen["torch"] is False and seen["torch_after"] is False
-
-
-SCRIPT = """
-import json, os, sys
-keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-        "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
-        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "DDPKIT_PROGRESS_FILE"]
-print(json.dumps({k: os.environ.get(k) for k in keys}))
-print("to stderr", file=sys.stderr)
-if os.environ["RANK"] == sys.argv[1]:
-    raise ValueError("boom-on-rank-" + sys.argv[1])
-"""
-
-
-def test_workers_get_torchruns_environment_and_prefixed_output(tmp_path, capsys):
-    script = tmp_path / "env.py"
-    script.write_text(SCRIPT)
-    assert launch(str(script), ["-1"], LaunchOptions(nproc_per_node=3)) == 0
-    out, err = capsys.readouterr()
-    envs = {}
-    for line in out.splitlines():
-        prefix, _, payload = line.partition(":")
-        envs[prefix] = json.loads(payload)
-    assert sorted(envs) == ["[default0]", "[default1]", "[default2]"]
-    for rank in range(3):
-        env = envs[f"[default{rank}]"]
-        assert env["RANK"] == env["LOCAL_RANK"] == env["ROLE_RANK"] == str(rank)
-        assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == ("3", "3", "0")
-        assert env["ROLE_NAME"] == "default" and env["MASTER_ADDR"] == "127.0.0.1"
-        assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["DDPKIT_PROGRESS_FILE"]
-    assert len({e["MASTER_PORT"] for e in envs.values()}) == 1
-    assert sorted(err.splitlines()) == [f"[default{r}]:to stderr" for r in range(3)]
-    assert "DDPKIT_PROGRESS_FILE" not in os.environ  # the launcher's own env is restored
-
-
-def test_a_failing_worker_is_named_once_and_the_others_are_stopped(tmp_path, capsys):
-    script = tmp_path / "fails.py"
-    script.write_text(SCRIPT)
-    code = launch(str(script), ["1"], LaunchOptions(nproc_per_node=2))
-    out, err = capsys.readouterr()
-    assert code == 1
-    assert err.count("ValueError: boom-on-rank-1") == 1
-    assert re.search(r"ddpkit launch: rank 1 failed first \(exit code 1, pid \d+\); its "
-                     r"traceback is above, prefixed \[default1\]$", err.strip()), err
 
 
 def test_console_on_a_terminal_redraws_one_status_line_below_the_output():
