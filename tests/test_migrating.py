@@ -209,10 +209,10 @@ DDP(nn.Linear(4, 2), device_ids=[int(os.environ["LOCAL_RANK"])])
 """
 
 
-def test_device_ids_on_a_cpu_module_is_the_last_line_of_each_ranks_traceback(tmp_path):
-    """What docs/migrating.md says a refused argument looks like in your own script: one
-    line saying what to do, last in the rank's traceback, exit 1, as torch DDP's own
-    ValueError for the same call."""
+def test_device_ids_on_a_cpu_module_is_one_line_per_rank_and_exit_2(tmp_path):
+    """What docs/migrating.md says a refused argument looks like in your own script under
+    `ddpkit launch`: one line per rank saying what to do, no traceback, exit 2 (torch DDP
+    raises a ValueError for the same call: a traceback per rank, exit 1)."""
     script = tmp_path / "cpu_device_ids.py"
     script.write_text(DEVICE_IDS_ON_CPU)
     out = {}
@@ -221,14 +221,16 @@ def test_device_ids_on_a_cpu_module_is_the_last_line_of_each_ranks_traceback(tmp
             [PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2", str(script)], cwd=ROOT,
             env=clean_env(ENGINE=engine), capture_output=True, text=True, timeout=TIMEOUT_S)
     ours = out["ddpkit"]
-    assert ours.returncode == out["torch"].returncode == 1, ours.stderr[-3000:]
+    assert out["torch"].returncode == 1, out["torch"].stderr[-3000:]
     assert "ValueError: DistributedDataParallel device_ids" in out["torch"].stderr
+    assert ours.returncode == 2, ours.stderr[-3000:]
+    assert "Traceback" not in ours.stderr, ours.stderr[-3000:]
     for rank in (0, 1):
-        line = (f"[default{rank}]:[rank{rank}]: ddpkit.parallel.torch_compat.TorchArgumentError: "
+        line = (f"[default{rank}]:[rank{rank}]: ddpkit: error: "
                 f"device_ids=[{rank}] but the module is on cpu; move the module there first "
                 "(model.to(device)), or pass device_ids=None")
-        prefix = f"[default{rank}]:[rank{rank}]: "
-        rank_lines = [x for x in ours.stderr.splitlines() if x.startswith(prefix)]
-        assert ours.stderr.count(line) == 1 and rank_lines[-1] == line, ours.stderr[-3000:]
+        rank_lines = [x for x in ours.stderr.splitlines() if x.startswith(f"[default{rank}]:")]
+        assert rank_lines == [line], ours.stderr[-3000:]
+    assert ours.stderr.strip().splitlines()[-1].startswith("ddpkit launch: rank "), ours.stderr
     assert "device_ids=[0] but the module is on cpu; move the module there first" in DOC.read_text(
         ).replace("\n", " ")

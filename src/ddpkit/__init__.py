@@ -12,14 +12,24 @@ torch, which costs more than a second; ``ddpkit.DataParallel`` etc. work as befo
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 # ddpkit.log installs the library's NullHandler on import (handlers belong to the application).
 from ddpkit import log  # noqa: F401
-from ddpkit.errors import CommError, ConfigError, DdpkitError
+from ddpkit.errors import (
+    ONE_LINE_ERRORS_ENV,
+    CommError,
+    ConfigError,
+    DdpkitError,
+    install_one_line_errors,
+)
 from ddpkit.spawn import SpawnError, spawn
 from ddpkit.topology import Topology
 from ddpkit.world import World
+
+if os.environ.get(ONE_LINE_ERRORS_ENV) == "1":  # a script under `ddpkit launch`
+    install_one_line_errors()
 
 # Public name -> the module that defines it, imported when the name is first used.
 _LAZY = {

@@ -1,5 +1,10 @@
 """Errors that ddpkit reports to users as one line, without a traceback."""
 
+from __future__ import annotations
+
+import os
+import sys
+
 
 class DdpkitError(Exception):
     """Base for errors whose message alone tells the user what is wrong and what to do.
@@ -15,3 +20,40 @@ class ConfigError(DdpkitError, ValueError):
 
 class CommError(DdpkitError, RuntimeError):
     """A collective that cannot run as asked (raised before any communication)."""
+
+
+# Set by `ddpkit launch` for the processes it starts (see install_one_line_errors).
+ONE_LINE_ERRORS_ENV = "DDPKIT_ONE_LINE_ERRORS"
+_exit_code: int | None = None
+
+
+def install_one_line_errors() -> None:
+    """In a script started by ``ddpkit launch``: a :class:`DdpkitError` that escapes the
+    script is printed as one line, ``ddpkit: error: <message>`` (no traceback), and the
+    process exits 2, as the CLI's own errors do. Any other exception keeps its traceback.
+
+    The exit code is set at the very end of interpreter shutdown: torch's process group
+    wraps ``sys.excepthook`` to prefix ``[rank N]`` and prints what this hook wrote only
+    after it returns, and other exit handlers still run first.
+    """
+    import atexit
+
+    previous = sys.excepthook
+
+    def hook(kind, err, tb):
+        global _exit_code
+        if isinstance(err, DdpkitError):
+            print(f"ddpkit: error: {err}", file=sys.stderr, flush=True)
+            _exit_code = 2
+        else:
+            previous(kind, err, tb)
+
+    sys.excepthook = hook
+    atexit.register(_exit_with_code)  # registered first, so it runs last
+
+
+def _exit_with_code() -> None:
+    if _exit_code is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_code)

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ddpkit.console import PROGRESS_ENV, Console
-from ddpkit.errors import ConfigError
+from ddpkit.errors import ONE_LINE_ERRORS_ENV, ConfigError
 from ddpkit.log import get_logger
 from ddpkit.torchrun_args import check_nproc, default_nproc, nnodes_range
 
@@ -190,8 +190,11 @@ def report_failure(failures: dict, role: str) -> int:
                 f"(pid {failure.pid}; out of memory or killed from outside?)")
     else:
         prefix = f"[{role}{failure.local_rank}]"
+        # Exit 2 is a DdpkitError's one line (errors.install_one_line_errors) or a
+        # script's own usage error: a message, not a traceback.
+        said = "message" if failure.exitcode == 2 else "traceback"
         what = (f"failed first (exit code {failure.exitcode}, pid {failure.pid}); its "
-                f"traceback is above, prefixed {prefix}")
+                f"{said} is above, prefixed {prefix}")
     print(f"ddpkit launch: rank {rank} {what}{also}", file=sys.stderr, flush=True)
     return failure.exitcode if failure.exitcode > 0 else 1
 
@@ -211,6 +214,8 @@ def launch_argv(argv: Sequence[str]) -> int:
     from ddpkit import torchrun_args
 
     args = torchrun_args.parse(list(argv))
+    # A DdpkitError escaping the script: one line per rank and exit 2, not a traceback.
+    os.environ.setdefault(ONE_LINE_ERRORS_ENV, "1")
     if not args.standalone:
         choose_network(args, multi_node=nnodes_range(args.nnodes)[1] > 1)
     if args.max_restarts > 0:
