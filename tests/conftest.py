@@ -31,6 +31,7 @@ UNIT, MULTIPROCESS, E2E = "unit", "multiprocess", "e2e"
 LAYERS = {
     "test_bad_inputs.py": UNIT,
     "test_layers.py": UNIT,
+    "test_metric_log.py": UNIT,
     "test_data_datasets.py": UNIT,
     "test_data_partition.py": UNIT,
     "test_ddp_buckets.py": UNIT,
