@@ -100,10 +100,6 @@ class Bucket:
     future: torch.futures.Future | None = None
     work: object | None = None  # the backend's Work handle on the default path
     offsets: list[int] = field(default_factory=list)
-    # Elements [lo, hi) this rank sums itself when the transport reads them from the
-    # private gradients (shm), else None; and this backward's (start, private grad) there.
-    own_range: tuple[int, int] | None = None
-    own: list = field(default_factory=list)
 
     @property
     def numel(self) -> int:

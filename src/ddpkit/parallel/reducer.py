@@ -120,13 +120,10 @@ class Reducer:
         self.buckets = buckets
         self.bucket_of = [0] * len(self.params)
         self.views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
-        own_range = getattr(self.transport, "own_range", None)
         for bucket in buckets:
             for i, view in zip(bucket.param_indices, bucket.views):
                 self.bucket_of[i] = bucket.index
                 self.views[i] = view
-            if own_range is not None and self.world_size > 1:
-                bucket.own_range = own_range(bucket.buffer)
 
     def use_single_initial_bucket(self) -> None:
         """Before any backward: torch's first-iteration layout (one bucket per device and
@@ -190,7 +187,6 @@ class Reducer:
             bucket.pending = len(bucket.param_indices)
             bucket.future = None
             bucket.work = None
-            bucket.own = []
         self.next_to_launch = 0
         self.callback_queued = False
         if self.synced_iterations == 0:
@@ -225,7 +221,6 @@ class Reducer:
     def _mark_ready(self, i: int, param: torch.Tensor) -> None:
         view = self.views[i]
         grad = param.grad
-        bucket = self.buckets[self.bucket_of[i]]
         scale = self.comm_hook is None and self.divisor != 1
         with torch.no_grad():
             if grad is None:
@@ -238,8 +233,6 @@ class Reducer:
             elif _same_memory(grad, view):
                 if scale:
                     view.mul_(1.0 / self.divisor)
-            elif self.comm_hook is None and bucket.own_range is not None:
-                self._hand_over(bucket, i, grad, scale)
             elif scale:
                 # Copy and scale in one pass over memory (what torch's reducer does too).
                 torch.mul(grad, 1.0 / self.divisor, out=view)
@@ -249,25 +242,7 @@ class Reducer:
         self.ready[i] = True
         if self.synced_iterations == 0:
             self.ready_order.append(i)
-        bucket.pending -= 1
-
-    def _hand_over(self, bucket: Bucket, i: int, grad: torch.Tensor, scale: bool) -> None:
-        """Copy (and scale) into the bucket only the part of ``grad`` the peers sum; the
-        part this rank sums itself stays in ``grad`` and the transport reads it there
-        (``bucket.own``), saving that copy. Same numbers as copying it all first."""
-        lo, hi = bucket.own_range  # type: ignore[misc]
-        start = bucket.offsets[bucket.param_indices.index(i)]
-        flat, stop = grad.reshape(-1), start + grad.numel()
-        target = bucket.buffer
-        for a, b in ((start, min(stop, lo)), (max(start, hi), stop)):
-            if a < b:
-                if scale:
-                    torch.mul(flat[a - start:b - start], 1.0 / self.divisor, out=target[a:b])
-                else:
-                    target[a:b].copy_(flat[a - start:b - start])
-        a, b = max(start, lo), min(stop, hi)
-        if a < b:
-            bucket.own.append((a, flat[a - start:b - start]))
+        self.buckets[self.bucket_of[i]].pending -= 1
 
     def _launch_ready_buckets(self) -> None:
         while self.next_to_launch < len(self.buckets):
@@ -293,15 +268,6 @@ class Reducer:
         elif self.world_size > 1:
             if self.transport is None:
                 bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
-            elif bucket.own_range is not None and buffer is bucket.buffer:
-                # shm: my share is read from the private gradients; every bucket but the
-                # last returns without waiting for the peers' shares (the last one's
-                # barrier, which every rank reaches after all earlier writes, covers them)
-                scale = None if self.divisor == 1 else 1.0 / self.divisor
-                bucket.work = self.transport.all_reduce(
-                    buffer, own=bucket.own, own_scale=scale,
-                    settle=bucket.index == len(self.buckets) - 1)
-                bucket.own = []
             else:  # a handle to wait for, or None when the sum is done already (shm)
                 bucket.work = self.transport.all_reduce(buffer)
 

@@ -185,19 +185,10 @@ class ShmTransport:
         self._shared.append(weakref.ref(buffer))
         return buffer
 
-    def own_range(self, buffer: torch.Tensor) -> tuple[int, int] | None:
-        """The elements of ``buffer`` this rank sums itself (see :meth:`all_reduce`)."""
-        return self.comm.own_range(buffer) if buffer.device.type == "cpu" else None
-
-    def all_reduce(self, buffer: torch.Tensor, *, own=None, own_scale: float | None = None,
-                   settle: bool = True):
-        """Sum ``buffer`` in place. ``own``: the ``(start, private gradient)`` pieces of
-        :meth:`own_range` that were not copied in; they are read where they are summed.
-        ``settle=False``: return without waiting for the peers' shares (the caller's
-        next call on this transport waits for them; see ShmCommunicator.all_reduce)."""
+    def all_reduce(self, buffer: torch.Tensor):
         if buffer.device.type != "cpu":
             return dist.all_reduce(buffer, group=self.group, async_op=True)
-        self.comm.all_reduce(buffer, "sum", own=own, own_scale=own_scale, settle=settle)
+        self.comm.all_reduce(buffer, "sum")
         return None
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int, *,

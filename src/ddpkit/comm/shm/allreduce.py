@@ -28,11 +28,9 @@ and first choice of ``algo="auto"`` for CPU tensors on one host).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import socket
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,50 +92,6 @@ class _Allocation:
         whole = torch.frombuffer(mapping, dtype=torch.uint8)
         size = self.region_bytes
         return [whole[r * size:(r + 1) * size] for r in range(nranks)]
-
-
-def _fill(flat: torch.Tensor, own, scale: float | None, lo: int = 0,
-          hi: int | None = None) -> None:
-    """Write the ``(start, source)`` pieces of ``own`` (times ``scale``) into
-    ``flat[lo:hi]``, where they overlap it."""
-    hi = flat.numel() if hi is None else hi
-    for start, source in own:
-        a, b = max(lo, start), min(hi, start + source.numel())
-        if a < b:
-            if scale is None:
-                flat[a:b].copy_(source[a - start:b - start])
-            else:
-                torch.mul(source[a - start:b - start], scale, out=flat[a:b])
-
-
-def _exact(scale: float | None) -> bool:
-    """Whether multiplying by ``scale`` is exact (None or a power of two), so that
-    ``a + scale * b`` in one pass rounds like ``a + (scale * b)`` in two."""
-    return scale is None or (scale > 0 and math.frexp(scale)[0] == 0.5)
-
-
-def _sum_from_own(mine: torch.Tensor, first: torch.Tensor, own, scale: float | None,
-                  lo: int, hi: int) -> None:
-    """``mine[lo:hi] = own values (times scale) + first[lo:hi]``, reading the private
-    values where ``own`` (sorted by start) has them and ``mine`` elsewhere. Bit for bit
-    what copying them into ``mine`` and then summing gives, except where a scaled value
-    is subnormal (one rounding instead of two); every rank still gets the same bits."""
-    at = lo
-    for start, source in own:
-        a, b = max(at, start), min(hi, start + source.numel())
-        if a >= b:
-            continue
-        if at < a:
-            torch.add(mine[at:a], first[at:a], out=mine[at:a])
-        src = source[a - start:b - start]
-        if _exact(scale):
-            torch.add(first[a:b], src, alpha=1 if scale is None else scale, out=mine[a:b])
-        else:
-            torch.mul(src, scale, out=mine[a:b])
-            torch.add(mine[a:b], first[a:b], out=mine[a:b])
-        at = b
-    if at < hi:
-        torch.add(mine[at:hi], first[at:hi], out=mine[at:hi])
 
 
 def _chunk_bounds(numel: int, itemsize: int, parts: int) -> list[int]:
@@ -429,8 +383,7 @@ class ShmCommunicator:
 
     def all_reduce(
         self, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", *, divisor: int | None = None,
-        signature: int | None = None, own: Sequence[tuple[int, torch.Tensor]] | None = None,
-        own_scale: float | None = None, settle: bool = True,
+        signature: int | None = None,
     ) -> torch.Tensor:
         """Reduce ``tensor`` in place across the group; returns it.
 
@@ -439,20 +392,6 @@ class ShmCommunicator:
         host the division happens inside the reduction pass, not as another pass.
         ``signature`` replaces the call's own signature word in the in-band check (the
         public layer's: it names the collective the user called, e.g. "reduce").
-
-        ``own`` (with a tensor from :meth:`allocate`): the elements of :meth:`own_range`
-        are not in ``tensor`` yet but in private tensors, ``(start, source)`` meaning
-        ``tensor[start:start + source.numel()]`` is ``source`` (times ``own_scale`` when
-        given). They are read where this rank sums them instead of being copied in
-        first: the copy of the share a rank reduces itself is saved. The rest of
-        ``tensor`` must hold this rank's values, as always.
-
-        ``settle=False`` (one host): an in-place reduction returns once this rank's
-        share is summed and written to every region, without waiting for the peers'
-        shares. The caller must make another call on this communicator (any: its
-        arrival barrier proves every peer finished the earlier writes) before it reads
-        ``tensor``, or writes to it again. DataParallel does so for every bucket but the
-        last of a backward: one wait at the end instead of one per bucket.
         """
         self._check_open()
         name, code = self._code("all_reduce", op, tensor.dtype)
@@ -466,12 +405,6 @@ class ShmCommunicator:
             raise CommError(f"divisor= needs op 'sum' or 'avg' on a floating tensor, got {name!r} "
                             f"on {tensor.dtype}")
         flat = self._flat(tensor)
-        if own:
-            own = sorted(own, key=lambda piece: piece[0])
-        if own and (flat.data_ptr() != tensor.data_ptr() or name not in ("sum", "avg")
-                    or flat.numel() * flat.element_size() <= SMALL_BYTES):
-            _fill(flat, own, own_scale)
-            own = None
         local_op = "sum" if name == "avg" else name
         in_pass = divisor if self.nhosts == 1 and divisor != 1 else None
         parity = self._next_call()
@@ -485,19 +418,13 @@ class ShmCommunicator:
             self._reduce_small(flat, local_op, in_pass, (flat.numel(), code, -1, -1), parity)
         else:
             where = self._find(flat)
-            if own and where is None:
-                _fill(flat, own, own_scale)
-                own = None
             meta = (flat.numel(), code, -1, -1) if where is None else (flat.numel(), code, *where)
             if not self._arrive_checked(meta, parity):
                 where = None
             if where is None:
-                if own:  # a peer's tensor is elsewhere: the whole of mine goes through slots
-                    _fill(flat, own, own_scale)
                 self._reduce_through_slots(flat, local_op, in_pass)
             else:
-                self._reduce_in_place(flat, where, local_op, in_pass, own, own_scale,
-                                      settle or self.nhosts > 1)
+                self._reduce_in_place(flat, where, local_op, in_pass)
         if self.nhosts > 1:
             if self.leaders is not None and flat.numel():
                 dist.all_reduce(flat, ops.TO_REDUCE_OP[local_op], group=self.leaders)
@@ -545,25 +472,12 @@ class ShmCommunicator:
         if divisor is not None:
             flat.div_(divisor)
 
-    def own_range(self, tensor: torch.Tensor) -> tuple[int, int] | None:
-        """The elements ``[lo, hi)`` of ``tensor`` this rank sums in :meth:`all_reduce`
-        (so ``own=`` may leave them out of it), or None where all of it must be in place
-        before the call: a tensor not from :meth:`allocate`, a small one, several hosts."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if (self.nhosts > 1 or nbytes <= SMALL_BYTES or not tensor.is_contiguous()
-                or self._find(tensor) is None):
-            return None
-        bounds = _chunk_bounds(tensor.numel(), tensor.element_size(), self.local_size)
-        return bounds[self.me], bounds[self.me + 1]
-
-    def _reduce_in_place(self, flat, where, op, divisor, own=None, own_scale=None,
-                         settle=True) -> None:
+    def _reduce_in_place(self, flat, where, op, divisor) -> None:
         """Every rank's tensor is in shared memory already (checked at arrival)."""
         start, stop = where[1], where[1] + flat.numel() * flat.element_size()
         regions = [r[start:stop].view(flat.dtype) for r in self._regions(where[0])]
-        self._reduce_my_chunk(regions, op, divisor, own, own_scale)
-        if settle:
-            self.control.barrier()
+        self._reduce_my_chunk(regions, op, divisor)
+        self.control.barrier()
 
     def _reduce_through_slots(self, flat, op, divisor) -> None:
         """A private tensor, in pieces of half a slot. Only the parts peers reduce are
@@ -596,8 +510,7 @@ class ShmCommunicator:
                 a, b = bounds[peer], bounds[peer + 1]
                 piece[a:b].copy_(slots[peer][a:b])
 
-    def _reduce_my_chunk(self, regions: list[torch.Tensor], op: str, divisor,
-                         own=None, own_scale=None) -> None:
+    def _reduce_my_chunk(self, regions: list[torch.Tensor], op: str, divisor) -> None:
         bounds = _chunk_bounds(regions[0].numel(), regions[0].element_size(), self.local_size)
         lo, hi = bounds[self.me], bounds[self.me + 1]
         mine = regions[self.me]
@@ -607,15 +520,7 @@ class ShmCommunicator:
         for start in range(lo, hi, piece):
             stop = min(hi, start + piece)
             acc = mine[start:stop]
-            rest = others
-            if own and others and op == "sum":
-                # my private values of this piece, summed with the first peer's as they
-                # are read: no copy of them into my region first
-                _sum_from_own(mine, others[0], own, own_scale, start, stop)
-                rest = others[1:]
-            elif own:
-                _fill(mine, own, own_scale, start, stop)
-            for other in rest:
+            for other in others:
                 kernel(acc, acc, other[start:stop])
             if divisor is not None:
                 acc.div_(divisor)
