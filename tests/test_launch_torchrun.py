@@ -44,9 +44,10 @@ TIMEOUT_S = 120
 # (ddpkit's workers log to stderr, ddpkit/log.py) and, with --max-restarts, no rendezvous
 # store shared between attempts (pytorch/pytorch#135712, see ddpkit/launch.py), which the
 # workers see as TORCHELASTIC_USE_AGENT_STORE=False; and the file rank 0 writes its
-# progress to for the launcher to draw (ddpkit/console.py).
+# progress to for the launcher to draw (ddpkit/console.py); and the mark that turns a
+# DdpkitError escaping the script into one line and exit 2 (ddpkit/errors.py).
 DDPKIT_ONLY_ENV = {"DDPKIT_CLI_LOGGING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
-                   "DDPKIT_PROGRESS_FILE"}
+                   "DDPKIT_PROGRESS_FILE", "DDPKIT_ONE_LINE_ERRORS"}
 FRESH_PER_RUN = {"TORCHELASTIC_ERROR_FILE"}  # a temp directory of each agent
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
