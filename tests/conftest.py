@@ -119,7 +119,7 @@ SLOW = {
         "test_torch_ddp_script_with_one_import_changed_trains_as_under_torchrun",
         "test_mp_spawn_program_and_its_ddpkit_version_train_the_same_under_spawn_and_launch",
         "test_accelerate_style_script_on_two_processes_equals_one_and_gathers_metrics",
-        "test_device_ids_on_a_cpu_module_is_the_last_line_of_each_ranks_traceback"},
+        "test_device_ids_on_a_cpu_module_is_one_line_per_rank_and_exit_2"},
     "test_logging.py": {"test_import_adds_only_a_null_handler_and_keeps_propagation",
                         "test_basicconfig_file_sees_ddpkit_messages",
                         "test_cli_marked_processes_log_to_stderr"},
