@@ -18,13 +18,13 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from ddpkit.errors import ConfigError
+from ddpkit.jsonfiles import json_safe, write_atomic
 
 JSONL_FILE = "metrics.jsonl"
 CSV_FILE = "metrics.csv"
@@ -44,17 +44,6 @@ def check_writers(log_with: Iterable[str]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(["jsonl", *names]))
 
 
-def _clean(value: Any) -> Any:
-    """JSON has no NaN/inf: write them as null instead of producing invalid JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
-
-
 def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The JSON objects of a JSON-lines file, skipping a line cut short by a crash."""
     out = []
@@ -71,12 +60,6 @@ def read_records(path: str | os.PathLike) -> list[dict[str, Any]]:
     return out
 
 
-def _replace(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def truncate_records(run_dir: str | os.PathLike, step: int) -> None:
     """Keep the records of steps ``<= step`` in metrics.jsonl and metrics.csv."""
     run_dir = Path(run_dir)
@@ -84,7 +67,7 @@ def truncate_records(run_dir: str | os.PathLike, step: int) -> None:
     if jsonl.exists():
         # A record without a step is a leftover of something else: it goes too.
         kept = [r for r in read_records(jsonl) if int(r.get("step", step + 1)) <= step]
-        _replace(jsonl, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+        write_atomic(jsonl, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
     table = run_dir / CSV_FILE
     if table.exists():
         with table.open(newline="") as fh:
@@ -121,7 +104,7 @@ class MetricLog:
             self._tb = SummaryWriter(str(self.dir / TB_DIR), purge_step=start_step + 1)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        record = _clean(dict(record))
+        record = json_safe(dict(record))
         if self._jsonl is None:
             self.dir.mkdir(parents=True, exist_ok=True)
             self._jsonl = (self.dir / JSONL_FILE).open("a")

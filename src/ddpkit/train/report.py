@@ -8,7 +8,6 @@ shared file system) each get their own.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import ConfigError
+from ddpkit.jsonfiles import json_safe, write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -52,29 +52,16 @@ def new_run_dir(out_dir: str | os.PathLike, tag: str) -> Path:
     raise ConfigError(f"--out-dir {out}: could not find a free run directory name")
 
 
-def _clean(value: Any) -> Any:
-    """JSON has no NaN/inf: write them as null instead of producing invalid JSON."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
-    return value
-
-
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     with path.open("a") as fh:
-        fh.write(json.dumps(_clean(record), sort_keys=True) + "\n")
+        fh.write(json.dumps(json_safe(record), sort_keys=True) + "\n")
         fh.flush()
 
 
 def write_jsonl(path: Path, records: Sequence[dict[str, Any]]) -> None:
     """Replace a JSONL file with ``records`` in one atomic step (a resume rewrites the
     metrics log to the epochs its checkpoint has seen)."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(_clean(r), sort_keys=True) + "\n" for r in records))
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(json_safe(r), sort_keys=True) + "\n" for r in records))
 
 
 def save_model(state: dict[str, Any], path: Path) -> None:
@@ -87,10 +74,7 @@ def save_model(state: dict[str, Any], path: Path) -> None:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    # Write-then-rename, so a reader never sees half a summary.
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(_clean(data), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(json_safe(data), indent=2, sort_keys=True) + "\n")
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
