@@ -1,4 +1,5 @@
-"""`ddpkit bench collectives`: size parsing, bandwidth arithmetic, and the CLI end to end."""
+"""`ddpkit bench collectives` and `ddpkit bench shm`: size parsing, bandwidth arithmetic, the
+shm columns and verdicts, and the CLI end to end."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from ddpkit.cli import main as cli_main
 from ddpkit.bench import collectives as bench
+from ddpkit.cli import main as cli_main
 from ddpkit.errors import ConfigError
 
 
@@ -108,3 +110,76 @@ def test_cli_bad_input_is_one_line(tmp_path, monkeypatch, capsys, args, message)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("ddpkit bench: error: ") and message in err[0], err
     assert not os.path.exists(tmp_path / "runs")  # nothing written on a refusal
+
+
+# ---------------------------------------------------------------- ddpkit bench shm
+
+
+def signatures_each_shm_column_passes(world) -> dict:
+    """The ``signature=`` every column hands ShmCommunicator.all_reduce, per column."""
+    from ddpkit.bench import shm as shm_bench
+    from ddpkit.comm.shm import ShmCommunicator
+
+    seen: list = []
+    original = ShmCommunicator.all_reduce
+
+    def spy(self, tensor, op="sum", **kwargs):
+        seen.append(kwargs.get("signature"))
+        return original(self, tensor, op, **kwargs)
+
+    ShmCommunicator.all_reduce = spy
+    try:
+        with ShmCommunicator(timeout=60) as comm:
+            private = torch.ones(256)
+            calls = shm_bench._calls(comm, private, comm.allocate(256))
+            out = {}
+            for name in ("comm", "comm-nocheck", "shm-copy", "shm-signed"):
+                seen.clear()
+                calls[name]()
+                out[name] = list(seen)
+    finally:
+        ShmCommunicator.all_reduce = original
+    return out
+
+
+def test_shm_signed_column_passes_the_public_doors_signature(pools):
+    for out in pools(2).run(signatures_each_shm_column_passes):
+        assert out["shm-copy"] == [None]  # the private engine: no signature
+        assert len(out["comm"]) == 1 and isinstance(out["comm"][0], int)
+        assert out["shm-signed"] == out["comm"] == out["comm-nocheck"]
+
+
+def test_shm_bench_rows_and_verdicts(pools):
+    from ddpkit.bench import shm as shm_bench
+
+    cfg = shm_bench.Config(nprocs=2, sizes=(1024, 100_000), budget_s=0.005, rounds=1)
+    rows, other = pools(2).run(shm_bench.run_rank, cfg)
+    assert {(r["algo"], r["bytes"]) for r in rows} == {
+        (a, s) for a in shm_bench.ALGOS for s in (1024, 100_000)}
+    assert all(r["time_us"] > 0 for r in rows)
+    table = shm_bench.format_table(rows, 2)
+    assert "in-band check cost (shm-signed vs shm-copy): worst" in table
+    assert "spread between identical runs" in table
+    assert "default check cost" not in table
+
+
+def _rows(times: dict) -> list[dict]:
+    return [{"algo": a, "bytes": b, "time_us": t, "speedup_vs_gloo": 100.0}
+            for (a, b), t in times.items()]
+
+
+def test_shm_check_cost_verdict_is_the_worst_size():
+    from ddpkit.bench import shm as shm_bench
+
+    times = {("shm-copy", 1024): 5.0, ("shm-signed", 1024): 5.4,
+             ("shm-copy", 4 << 20): 300.0, ("shm-signed", 4 << 20): 290.0,
+             ("comm", 1024): 12.0, ("comm-nocheck", 1024): 10.0}
+    lines = shm_bench.verdicts(_rows(times))
+    assert ("in-band check cost (shm-signed vs shm-copy): worst +8.0% (met: <= +10%)"
+            in lines), lines
+    assert any(ln.startswith("spread between identical runs") and "+20.0%" in ln
+               for ln in lines)
+    assert not any("met" in ln for ln in lines if ln.startswith("spread"))
+    times[("shm-signed", 1024)] = 5.6
+    assert ("in-band check cost (shm-signed vs shm-copy): worst +12.0% (not met: <= +10%)"
+            in shm_bench.verdicts(_rows(times)))

@@ -5,9 +5,14 @@ For each message size every rank times, in the same processes, round-robin:
 * ``gloo``      torch.distributed.all_reduce on a private tensor (TCP loopback);
 * ``comm``      ``ddpkit.comm.all_reduce(t)`` with no argument but the tensor (the door
   most users take: ``algo="auto"`` and the default-on mismatch check) on a private tensor;
-* ``comm-nocheck`` the same with ``check=False`` (what the default check costs);
+* ``comm-nocheck`` the same with ``check=False``. On shm both run the same code (the
+  call's signature rides in the barrier every shm call makes, check or not), so the gap
+  between these two columns is the spread between identical runs, not a cost;
 * ``shm-copy``  ShmCommunicator.all_reduce on a private tensor (copied through the
-  shared slots: what any caller gets);
+  shared slots: what any caller gets), with no signature, as the private engine is called;
+* ``shm-signed`` the same call carrying the public layer's in-band signature, passed as
+  the public door passes it (``signature=`` the word the "shm" algorithm derives from the
+  call's signature, per call): ``shm-signed`` vs ``shm-copy`` is what the check costs;
 * ``shm``       ShmCommunicator.all_reduce on a tensor from ``allocate()`` (nothing
   copied in or out: what DataParallel's buckets get with the shm hook).
 
@@ -15,7 +20,8 @@ Reported per size: median time per call (the slowest rank's), bus bandwidth
 (``bytes * 2(W-1)/W / time``, the all-reduce convention), ratio to gloo, and a
 verdict on the targets (shm: busbw >= 3x gloo at >= 4 MiB, latency <= 1/10 of gloo at
 <= 64 KiB; comm, issue 11: >= 20x gloo at <= 64 KiB and >= 4x at 4-32 MiB, and the
-default check costing <= 10% of the call). Used by ``ddpkit bench shm`` and ``benchmarks/shm.py``.
+in-band check costing <= 10% of the call). Used by ``ddpkit bench shm`` and
+``benchmarks/shm.py``.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch.distributed as dist
 
 from ddpkit.bench.output import pyplot, save_figure, write_csv, write_json
 
-ALGOS = ("gloo", "comm", "comm-nocheck", "shm-copy", "shm")
+ALGOS = ("gloo", "comm", "comm-nocheck", "shm-copy", "shm-signed", "shm")
 DEFAULT_SIZES = "4,1K,16K,64K,256K,1M,4M,16M,32M"
 BIG, SMALL = 4 << 20, 64 << 10  # where the bandwidth / latency targets apply
 
@@ -60,12 +66,21 @@ def human(nbytes: float) -> str:
 
 def _calls(comm, private: torch.Tensor, shared: torch.Tensor) -> dict:
     from ddpkit import comm as public
+    from ddpkit.comm.agreement import CallSignature
+    from ddpkit.comm.shm.allreduce import ShmAlgorithm
+
+    # What the public door hands the "shm" algorithm for ``all_reduce(private)`` (its call
+    # object carries these fields), and the word the algorithm derives from it per call.
+    face = ShmAlgorithm()
+    numel, dtype = private.numel(), str(private.dtype).removeprefix("torch.")
+    sig = CallSignature("all_reduce", "shm", "sum", dtype, numel, numel, -1, False)
 
     return {
         "gloo": lambda: dist.all_reduce(private),
         "comm": lambda: public.all_reduce(private),
         "comm-nocheck": lambda: public.all_reduce(private, check=False),
         "shm-copy": lambda: comm.all_reduce(private),
+        "shm-signed": lambda: comm.all_reduce(private, "sum", signature=face._word(sig)),
         "shm": lambda: comm.all_reduce(shared),
     }
 
@@ -126,9 +141,9 @@ def run_rank(world, cfg: Config) -> list[dict]:
 
 def format_table(rows: list[dict], nprocs: int) -> str:
     lines = [f"all_reduce float32, {nprocs} ranks, median time per call (slowest rank)",
-             f"{'size':>6} {'algo':>9} {'time_us':>10} {'busbw GB/s':>11} {'x gloo':>7}"]
+             f"{'size':>6} {'algo':>12} {'time_us':>10} {'busbw GB/s':>11} {'x gloo':>7}"]
     for r in rows:
-        lines.append(f"{human(r['bytes']):>6} {r['algo']:>9} {r['time_us']:>10.1f} "
+        lines.append(f"{human(r['bytes']):>6} {r['algo']:>12} {r['time_us']:>10.1f} "
                      f"{r['busbw_GBps']:>11.3f} {r['speedup_vs_gloo']:>7.2f}")
     lines += verdicts(rows)
     return "\n".join(lines)
@@ -147,11 +162,15 @@ def verdicts(rows: list[dict]) -> list[str]:
     if big:
         out.append(f"target comm (issue 11): >= 4x gloo at 4-32M: worst {min(big):.2f}x "
                    f"({'met' if min(big) >= 4 else 'not met'})")
-    costs = [by[("comm", b)]["time_us"] / by[("comm-nocheck", b)]["time_us"] - 1
-             for (a, b) in by if a == "comm" and ("comm-nocheck", b) in by]
+    costs = _ratios(by, "shm-signed", "shm-copy")
     if costs:
-        out.append(f"default check cost (comm vs comm-nocheck): worst {max(costs):+.1%} "
+        out.append(f"in-band check cost (shm-signed vs shm-copy): worst {max(costs):+.1%} "
                    f"({'met' if max(costs) <= 0.10 else 'not met'}: <= +10%)")
+    spread = _ratios(by, "comm", "comm-nocheck")
+    if spread:
+        worst = max(spread, key=abs)
+        out.append(f"spread between identical runs (comm vs comm-nocheck, the same code on "
+                   f"shm): largest {worst:+.1%}")
     for algo in ("shm", "shm-copy"):
         big = [r["speedup_vs_gloo"] for r in rows if r["algo"] == algo and r["bytes"] >= BIG]
         small = [r["speedup_vs_gloo"] for r in rows if r["algo"] == algo and r["bytes"] <= SMALL]
@@ -162,6 +181,12 @@ def verdicts(rows: list[dict]) -> list[str]:
             out.append(f"target {algo}: latency <= 1/10 gloo at <= 64K: worst {min(small):.2f}x "
                        f"faster ({'met' if min(small) >= 10 else 'not met'})")
     return out
+
+
+def _ratios(by: dict, algo: str, base: str) -> list[float]:
+    """``algo``'s time over ``base``'s, minus one, at every size both were timed."""
+    return [by[(a, b)]["time_us"] / by[(base, b)]["time_us"] - 1
+            for (a, b) in by if a == algo and (base, b) in by]
 
 
 def write_outputs(rows: list[dict], out_dir: str, plot: bool = True) -> list[str]:

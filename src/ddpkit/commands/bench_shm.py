@@ -13,12 +13,15 @@ def register(bench_sub) -> None:
     # ddpkit.bench.shm imports torch: not while building the parser every command uses.
     p = bench_sub.add_parser(
         "shm",
-        help="shared-memory all_reduce (private and allocated tensors) vs gloo",
+        help="shared-memory all_reduce (private, signed and allocated tensors) vs gloo",
         description=(
-            "Spawn N local ranks and time all_reduce at each size three ways, interleaved: "
-            "gloo, shm on private tensors (copied through shared slots) and shm on tensors "
-            "from allocate() (no copy, what DataParallel buckets get). Prints time, bus "
-            "bandwidth and ratio to gloo, checks the targets, writes CSV, JSON and a PNG."),
+            "Spawn N local ranks and time all_reduce at each size, interleaved: gloo; "
+            "ddpkit.comm.all_reduce with check on and off (the same code on shm: their gap "
+            "is run-to-run spread); shm on private tensors (copied through shared slots) "
+            "without and with the public layer's in-band signature (the gap is what the "
+            "check costs); and shm on tensors from allocate() (no copy, what DataParallel "
+            "buckets get). Prints time, bus bandwidth and ratio to gloo, checks the "
+            "targets, writes CSV, JSON and a PNG."),
     )
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn on this machine")
     p.add_argument("--sizes", default=None,
