@@ -5,7 +5,8 @@
 * W = 2, 3, 4 and every choice: replicas bit-identical across ranks and equal to one
   process on the whole batch (float64, far below verify's tolerance); comm="backend"
   torch.equal to torch DDP; under "auto"/"shm" the buckets live in the shared segment,
-  the gradients are views into them and every bucket is summed in place there;
+  the gradients are views into them and every bucket is summed in place there, all of
+  them at the end of backward (the sum runs inline: launched early it overlaps nothing);
 * ``verify`` passes with each choice; ``--comm`` is one config field, a bad value is one
   line with exit code 2.
 """
@@ -83,6 +84,20 @@ def _count_calls(obj, name):
     return calls
 
 
+def _launches_before_the_last_gradient(ddp):
+    """Bucket all-reduces the transport was asked for while some gradient of the
+    backward had not arrived yet."""
+    early, original = [], ddp.transport.all_reduce
+
+    def recorded(buffer):
+        if not all(ddp.reducer.ready):
+            early.append(1)
+        return original(buffer)
+
+    ddp.transport.all_reduce = recorded
+    return early
+
+
 def run_every_comm(world, steps=3, per_rank=3):
     from ddpkit.parallel import DataParallel
 
@@ -105,6 +120,7 @@ def run_every_comm(world, steps=3, per_rank=3):
         info = {"transport": ddp.comm}
         through_slots = _count_calls(ddp.transport.comm, "_reduce_through_slots") \
             if ddp.comm == "shm" else []
+        early = _launches_before_the_last_gradient(ddp)
         mine = slice(r * per_rank, (r + 1) * per_rank)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
         for step in range(steps):
@@ -119,6 +135,7 @@ def run_every_comm(world, steps=3, per_rank=3):
                 any(b.data_ptr() <= p.grad.data_ptr() < b.data_ptr() + b.numel() * b.element_size()
                     for b in buffers) for p in model.parameters())
             info["through_slots"] = len(through_slots)
+            info["early_launches"] = len(early)
             info["sizes"] = [b.numel() * b.element_size() for b in buffers]
         params = [p.detach().clone() for p in model.parameters()]
         info["vs_one_process"] = max(float((a - b).abs().max()) for a, b in zip(params, ref))
@@ -163,6 +180,8 @@ def test_every_comm_keeps_replicas_identical_and_equals_one_process(pools, world
             if expected == "shm":
                 assert m["buckets_shared"] and m["grads_in_buckets"], m
                 assert m["through_slots"] == 0, "a bucket was copied through the slots"
+                # the shm sum runs inline: launched early it would overlap nothing
+                assert m["early_launches"] == 0, "a shm bucket was summed mid-backward"
                 assert max(m["sizes"]) > 64 * 1024 and min(m["sizes"]) <= 64 * 1024
 
 

@@ -9,9 +9,10 @@ Life of one synchronized backward:
    ``param.grad`` at that slot. The first hook of a backward also queues the
    end-of-backward callback with the autograd engine.
 3. When a bucket's last gradient arrives, every bucket that is now complete *and* has no
-   incomplete bucket before it is launched asynchronously. Launching strictly in bucket
-   order is what keeps ranks from deadlocking: collectives match by issue order, and two
-   ranks may see their gradients arrive in different orders.
+   incomplete bucket before it is launched asynchronously (except on a transport whose
+   sum runs inline on this thread, shm: there all buckets launch in step 4). Launching
+   strictly in bucket order is what keeps ranks from deadlocking: collectives match by
+   issue order, and two ranks may see their gradients arrive in different orders.
 4. The end-of-backward callback launches what is left (buckets holding parameters that
    got no gradient, if ``find_unused_parameters``), waits for every bucket in order and
    leaves the averaged gradients in ``param.grad`` (views into the buffers). When it
@@ -109,6 +110,16 @@ class Reducer:
         self.synced_iterations = 0
         self.ready_order: list[int] = []
         self.rebuilt = False
+        # A transport whose all-reduce runs on the calling thread and returns complete
+        # (shm on CPU buckets) overlaps nothing with backward when launched early: every
+        # early launch is only one more point where this rank waits for its slowest peer,
+        # and its memory passes evict what autograd is working on. Such buckets are all
+        # launched from the end-of-backward callback instead, in the same order.
+        self._defer_launches = (
+            comm_hook is None and transport is not None
+            and getattr(transport, "reduces_inline", False)
+            and all(p.device.type == "cpu" for p in self.params)
+        )
         self._handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i))
             for i, p in enumerate(self.params)
@@ -215,7 +226,7 @@ class Reducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self.used[i] = True
         self._mark_ready(i, param)
-        if self.buckets[self.bucket_of[i]].pending == 0:
+        if self.buckets[self.bucket_of[i]].pending == 0 and not self._defer_launches:
             self._launch_ready_buckets()
 
     def _mark_ready(self, i: int, param: torch.Tensor) -> None:

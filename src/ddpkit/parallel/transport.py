@@ -105,6 +105,7 @@ class BackendTransport:
     """torch's all_reduce on the group's backend (gloo, NCCL): private bucket memory."""
 
     name = "backend"
+    reduces_inline = False  # all_reduce returns a handle; the sum overlaps backward
 
     def __init__(self, group):
         self.group = group
@@ -146,6 +147,9 @@ class ShmTransport:
     """
 
     name = "shm"
+    # all_reduce of a CPU bucket runs on the calling thread and is complete on return
+    # (the reducer then launches every bucket at the end of backward, see Reducer).
+    reduces_inline = True
 
     def __init__(self, group, *, slot_mb: float = SHM_SLOT_MB):
         timeout = group_timeout(group)
