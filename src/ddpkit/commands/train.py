@@ -119,9 +119,12 @@ def run(args: argparse.Namespace) -> int:
     # Only who started this process matters here, not its devices (which need torch).
     if World.from_env(require_master_addr=False, accelerator="cpu",
                       device_count=0).source != "single":
+        from ddpkit.train.entry import exit_process
         from ddpkit.train.worker import run_from_args
 
-        return run_from_args(args)  # one worker of a job some launcher started
+        # One worker of a job some launcher started (torchrun, srun, mpirun); it ends as
+        # every worker does (a success skips finalization, which can abort in gloo).
+        exit_process(run_from_args(args))
 
     resume_dir = None
     if args.resume is not None:

@@ -37,7 +37,10 @@ def run(args: argparse.Namespace) -> int:
     # Only who started this process matters here, not its devices (which need torch).
     if World.from_env(require_master_addr=False, accelerator="cpu",
                       device_count=0).source != "single":
-        return run_from_args(args)  # one worker of a job some launcher started
+        from ddpkit.train.entry import exit_process
+
+        # One worker of a job some launcher started; it ends as every worker does.
+        exit_process(run_from_args(args))
     cfg = config_from_args(args)
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1, got {args.steps}")
