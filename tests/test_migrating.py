@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from conftest import ROOT
+from exit_abort import run_retrying_exit_abort
 
 DOC = Path(ROOT, "docs", "migrating.md")
 PY = sys.executable
@@ -56,25 +57,9 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
-# torch 2.13 + gloo, in torch-only programs as much as in ddpkit's: a collective launched
-# during backward keeps backward's stashed contextvars Context (autograd/graph.py,
-# _stash_obj_in_tls) in its Work; when a gloo worker thread drops the last reference to
-# that Work after the interpreter started finalizing, the decref cannot take the GIL, the
-# thread is unwound and std::terminate aborts the process, after the program's last line
-# (core dump: ProcessGroupGloo::runLoop -> ~AsyncAllreduceWork -> ~ThreadLocalState ->
-# SafePyObject decref -> take_gil -> pthread_exit). Measured here at load 5-7 on 2 cores:
-# about 1 run in 8, the torch program under torchrun included. Such a run is retried; any
-# other failure is not.
-EXIT_ABORT = "terminate called without an active exception"
-ATTEMPTS = 3
-
-
 def run(argv: list[str], **extra_env: str) -> subprocess.CompletedProcess:
-    for _ in range(ATTEMPTS):
-        proc = subprocess.run(argv, cwd=ROOT, env=clean_env(**extra_env), capture_output=True,
-                              text=True, timeout=TIMEOUT_S)
-        if proc.returncode == 0 or EXIT_ABORT not in proc.stdout + proc.stderr:
-            break
+    proc = run_retrying_exit_abort(argv, cwd=ROOT, env=clean_env(**extra_env),
+                                   timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"{shlex.join(argv)}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
     return proc
 
