@@ -11,7 +11,6 @@ once and train on every sample of every epoch exactly once.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import re
@@ -25,7 +24,7 @@ import pytest
 import torch
 
 from ddpkit.loop.metrics_log import read_records
-from ddpkit.loop.sample_ids import read_sample_logs
+from sample_audit import assert_every_sample_once
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "50_own_loop.py")
@@ -75,21 +74,6 @@ def _assert_same_params(run: Path, reference: Path) -> None:
         assert torch.equal(mine[key], ref[key]), f"{key} differs from the uninterrupted run"
 
 
-def _assert_every_sample_once(run: Path, reference: Path) -> None:
-    records = read_sample_logs(run)
-    steps = collections.Counter((r["step"], r["rank"]) for r in records)
-    assert sorted(steps) == [(s, r) for s in range(1, EPOCHS * STEPS_PER_EPOCH + 1)
-                             for r in range(WORLD)]
-    assert set(steps.values()) == {1}, "a replayed step was logged twice"
-    by_epoch: dict[int, list[int]] = collections.defaultdict(list)
-    for r in records:
-        by_epoch[r["epoch"]] += r["ids"]
-    assert sorted(by_epoch) == list(range(EPOCHS))
-    for epoch, ids in by_epoch.items():
-        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}: lost or repeated samples"
-    assert records == read_sample_logs(reference)
-
-
 def _assert_metrics_continue(run: Path, reference: Path) -> None:
     """Each record step once, with the uninterrupted run's values (they are its steps)."""
     mine, ref = read_records(run / "metrics.jsonl"), read_records(reference / "metrics.jsonl")
@@ -128,7 +112,8 @@ def test_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, tm
     assert "exitcode: -9" in text  # the agent saw the SIGKILL...
     assert "resumed at step 20 (epoch 2, sample 128 of 512)" in text  # ...and the restart resumed
     _assert_same_params(run, reference)
-    _assert_every_sample_once(run, reference)
+    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
+                             world=WORLD, samples=SAMPLES)
     _assert_metrics_continue(run, reference)
 
 
@@ -161,7 +146,8 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_resumes
     assert "resumed at step 7 (epoch 1, sample 224 of 512)" in text
     assert "done: 32 steps (this attempt from step 7)" in text
     _assert_same_params(run, reference)
-    _assert_every_sample_once(run, reference)
+    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
+                             world=WORLD, samples=SAMPLES)
     _assert_metrics_continue(run, reference)
 
 

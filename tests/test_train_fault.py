@@ -9,7 +9,6 @@ must show every sample of every epoch trained on exactly once.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import re
@@ -24,7 +23,7 @@ import torch
 
 from ddpkit.fault import EXIT_PREEMPTED
 from ddpkit.train.report import read_jsonl
-from ddpkit.train.sample_log import read_sample_logs
+from sample_audit import assert_every_sample_once
 
 SAMPLES, STEPS_PER_EPOCH, EPOCHS = 300, 10, 2
 JOB = ["--nproc-per-node", "2", "--data", "synthetic", "--synthetic-size", str(SAMPLES),
@@ -79,22 +78,6 @@ def _assert_same_params(run: Path, reference: Path) -> None:
         assert torch.equal(mine[key], ref[key]), f"{key} differs from the uninterrupted run"
 
 
-def _assert_every_sample_once(run: Path, reference: Path) -> None:
-    """The log is the uninterrupted run's log: each step once per rank, same ids."""
-    records = read_sample_logs(run)
-    steps = collections.Counter((r["step"], r["rank"]) for r in records)
-    assert sorted(steps) == [(s, r) for s in range(1, EPOCHS * STEPS_PER_EPOCH + 1)
-                             for r in (0, 1)]
-    assert set(steps.values()) == {1}, "a replayed step was logged twice"
-    by_epoch: dict[int, list[int]] = collections.defaultdict(list)
-    for r in records:
-        by_epoch[r["epoch"]] += r["ids"]
-    assert sorted(by_epoch) == list(range(EPOCHS))
-    for epoch, ids in by_epoch.items():
-        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}: lost or repeated samples"
-    assert records == read_sample_logs(reference)
-
-
 def _assert_metrics_continue(run: Path, reference: Path) -> None:
     mine, ref = read_jsonl(run / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")
     assert [r["epoch"] for r in mine] == list(range(1, EPOCHS + 1))  # no epoch twice
@@ -121,7 +104,8 @@ def test_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, tm
     assert "resumed at step 12 (epoch 2" in text  # ...and the restart continued
     run = _only_run(tmp_path)
     _assert_same_params(run, reference)
-    _assert_every_sample_once(run, reference)
+    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
+                             world=2, samples=SAMPLES)
     _assert_metrics_continue(run, reference)
 
 
@@ -149,7 +133,8 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_matches(reference
     assert code == 0, text[-3000:]
     assert "resumed at step 5 (epoch 1, sample 160 of 300)" in text
     _assert_same_params(run, reference)
-    _assert_every_sample_once(run, reference)
+    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
+                             world=2, samples=SAMPLES)
     _assert_metrics_continue(run, reference)
 
 
