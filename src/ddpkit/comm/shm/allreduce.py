@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ddpkit.comm import groups, ops
 from ddpkit.comm.backend import BackendAlgorithm
-from ddpkit.comm.shm import segment
+from ddpkit.comm.shm import hierarchical, segment
 from ddpkit.comm.shm.sync import META_WORDS, Control, block_bytes, memory_model_ok
 from ddpkit.errors import CommError
 from ddpkit.log import get_logger
@@ -178,12 +178,7 @@ class ShmCommunicator:
         )
         self.leaders = None
         if self.nhosts > 1:
-            leader_ranks = [view.global_rank(ranks[0]) for ranks in hosts.values()]
-            if self.is_leader:
-                backend = "gloo" if dist.is_gloo_available() else None
-                self.leaders = dist.new_group(
-                    leader_ranks, backend=backend, use_local_synchronization=True
-                )
+            self.leaders = hierarchical.leaders_group(view, hosts, self.is_leader)
 
     # ------------------------------------------------------------------ set-up
 
@@ -426,11 +421,7 @@ class ShmCommunicator:
             else:
                 self._reduce_in_place(flat, where, local_op, in_pass)
         if self.nhosts > 1:
-            if self.leaders is not None and flat.numel():
-                dist.all_reduce(flat, ops.TO_REDUCE_OP[local_op], group=self.leaders)
-            self._broadcast_from_leader(flat, where)
-            if divisor is not None and divisor != 1:
-                flat.div_(divisor)
+            hierarchical.all_reduce_across(self, flat, where, local_op, divisor)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
@@ -527,30 +518,6 @@ class ShmCommunicator:
             for other in others:
                 other[start:stop].copy_(acc)
 
-    def _broadcast_from_leader(self, flat: torch.Tensor, where) -> None:
-        """After the leaders' exchange, every local rank takes the leader's result."""
-        if where is not None:
-            start = where[1]
-            stop = start + flat.numel() * flat.element_size()
-            source = self._regions(where[0])[0][start:stop].view(flat.dtype)
-            self.control.barrier()
-            if not self.is_leader:
-                flat.copy_(source)
-            self.control.barrier()
-            return
-        numel, itemsize = flat.numel(), flat.element_size()
-        step = self.slot_bytes // itemsize
-        self.control.barrier()  # peers may still be copying results out of the leader's slot
-        for start in range(0, numel, step):
-            count = min(numel - start, step)
-            source = self._slots[0][: count * itemsize].view(flat.dtype)
-            if self.is_leader:
-                source.copy_(flat[start:start + count])
-            self.control.barrier()
-            if not self.is_leader:
-                flat[start:start + count].copy_(source)
-            self.control.barrier()
-
     # ------------------------------------------------------------------ the other collectives
     # One host only (the registry face sends a multi-host group's other collectives to
     # the backend). Each call's first barrier carries its signature, as all_reduce's does;
@@ -563,9 +530,7 @@ class ShmCommunicator:
         parity = self._next_call()
         self._arrive_checked((0, code, -1, -1), parity)
         if self.nhosts > 1:
-            if self.leaders is not None:
-                dist.barrier(group=self.leaders)
-            self.control.barrier()
+            hierarchical.barrier_across(self)
 
     def broadcast(self, tensor: torch.Tensor, src: int, *, signature: int | None = None
                   ) -> torch.Tensor:
