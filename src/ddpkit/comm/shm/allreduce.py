@@ -19,7 +19,8 @@ with identical values (DDP relies on this to keep replicas in step).
 When the group spans hosts the same code runs inside each host and one leader per
 host all-reduces the host's partial result over the backend (a gloo subgroup of
 leaders), then the leader's copy is read back by its host's ranks: hierarchical
-all-reduce, chosen automatically from the ranks' host identities.
+all-reduce, chosen automatically from the ranks' host identities. The other collectives
+take the same shape across hosts (:mod:`ddpkit.comm.shm.hierarchical`).
 
 :mod:`ddpkit.comm.registry` registers this module as algorithm "shm" (``algo="shm"``,
 and first choice of ``algo="auto"`` for CPU tensors on one host).
@@ -144,6 +145,11 @@ class ShmCommunicator:
         self.local_size = len(self.local)
         self.me = self.local.index(view.rank)
         self.is_leader = self.me == 0
+        # every host's group ranks, hosts in the order of their first rank (the same list
+        # on every rank, so every decision taken from it is taken alike everywhere)
+        self.hosts = list(hosts.values())
+        self.host = self.hosts.index(self.local)
+        self.host_blocks = hierarchical.host_blocks(self.hosts, view)
 
         ctl_bytes = segment.round_up(block_bytes(self.local_size))
         small_bytes = self.local_size * 2 * SMALL_BYTES
@@ -378,7 +384,7 @@ class ShmCommunicator:
 
     def all_reduce(
         self, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", *, divisor: int | None = None,
-        signature: int | None = None,
+        signature: int | None = None, across_hosts: bool = True,
     ) -> torch.Tensor:
         """Reduce ``tensor`` in place across the group; returns it.
 
@@ -387,6 +393,8 @@ class ShmCommunicator:
         host the division happens inside the reduction pass, not as another pass.
         ``signature`` replaces the call's own signature word in the in-band check (the
         public layer's: it names the collective the user called, e.g. "reduce").
+        ``across_hosts=False`` reduces among this host's ranks only (the first step of the
+        hierarchical collectives).
         """
         self._check_open()
         name, code = self._code("all_reduce", op, tensor.dtype)
@@ -401,7 +409,7 @@ class ShmCommunicator:
                             f"on {tensor.dtype}")
         flat = self._flat(tensor)
         local_op = "sum" if name == "avg" else name
-        in_pass = divisor if self.nhosts == 1 and divisor != 1 else None
+        in_pass = divisor if (self.nhosts == 1 or not across_hosts) and divisor != 1 else None
         parity = self._next_call()
         # Which path runs must be decided identically on every rank, from what all of
         # them see: a rank may hold a private tensor where its peers hold an allocated
@@ -420,7 +428,7 @@ class ShmCommunicator:
                 self._reduce_through_slots(flat, local_op, in_pass)
             else:
                 self._reduce_in_place(flat, where, local_op, in_pass)
-        if self.nhosts > 1:
+        if self.nhosts > 1 and across_hosts:
             hierarchical.all_reduce_across(self, flat, where, local_op, divisor)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
@@ -519,9 +527,10 @@ class ShmCommunicator:
                 other[start:stop].copy_(acc)
 
     # ------------------------------------------------------------------ the other collectives
-    # One host only (the registry face sends a multi-host group's other collectives to
-    # the backend). Each call's first barrier carries its signature, as all_reduce's does;
-    # data moves through the slot halves in pieces, the halves alternating as above.
+    # Each call's first barrier carries its signature, as all_reduce's does; data moves
+    # through the slot halves in pieces, the halves alternating as above. Across hosts
+    # each of them is hierarchical (comm/shm/hierarchical.py): these host-local steps
+    # inside each host, the backend between the hosts' leaders.
 
     def barrier(self, *, signature: int | None = None) -> None:
         """Wait until every rank of the group has arrived (one shared-memory barrier)."""
@@ -536,41 +545,62 @@ class ShmCommunicator:
                   ) -> torch.Tensor:
         """Copy ``tensor`` from global rank ``src`` to every rank, in place; returns it."""
         self._check_open()
-        self._single_host("broadcast")
-        root = self._local_of(src, "src")
+        self.view.group_rank_of(src, "src")
         code = signature if signature is not None else self._code(
             "broadcast", "-", tensor.dtype, src)[1]
         flat = self._flat(tensor)
-        numel, dtype = flat.numel(), flat.dtype
-        step = len(self._halves[0][0]) // flat.element_size()
+        if self.nhosts > 1:
+            hierarchical.broadcast(self, flat, src, code)
+        else:
+            root = self._local_of(src, "src")
+            self._send_from(root, flat, flat.numel(), flat.dtype, code, self._into(flat))
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
+        return tensor
+
+    def _send_from(self, root: int, source: torch.Tensor | None, numel: int,
+                   dtype: torch.dtype, code: int, sink=None) -> None:
+        """Local rank ``root`` sends ``numel`` elements of ``source`` to this host's other
+        ranks through its slot halves, piece by piece; each of them hands every piece
+        to ``sink(start, piece)`` (a view of the root's slot, to copy out of before
+        returning; None: this rank takes nothing). Collective over the host's ranks."""
+        step = len(self._halves[0][0]) // dtype.itemsize
         parity, sender = self._next_call(), self.me == root
         for start in range(0, max(numel, 1), step):
             count = min(numel - start, step)
             half = self._next_half()
             if sender:
-                self._area(half, self.me, count, dtype).copy_(flat[start:start + count])
+                self._area(half, self.me, count, dtype).copy_(source[start:start + count])
             if start == 0:
                 self._arrive_checked((numel, code, -1, -1), parity)
             else:
                 self.control.barrier()
-            if not sender:
-                flat[start:start + count].copy_(self._area(half, root, count, dtype))
-        if flat.data_ptr() != tensor.data_ptr():
-            tensor.copy_(flat.view_as(tensor))
-        return tensor
+            if not sender and sink is not None:
+                sink(start, self._area(half, root, count, dtype))
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, *,
                    signature: int | None = None) -> torch.Tensor:
         """Concatenate every rank's ``input`` into ``output`` in group-rank order."""
         self._check_open()
-        self._single_host("all_gather")
         code = signature if signature is not None else self._code(
             "all_gather", "-", input.dtype)[1]
         src, out = self._flat(input, "input"), self._flat(output, "output")
         m, dtype = src.numel(), src.dtype
-        if out.numel() != m * self.local_size or out.dtype != dtype:
-            raise CommError(f"all_gather: output must hold {self.local_size} x {m} {dtype} "
+        if out.numel() != m * self.view.size or out.dtype != dtype:
+            raise CommError(f"all_gather: output must hold {self.view.size} x {m} {dtype} "
                             f"elements, got {out.numel()} {out.dtype}")
+        if self.nhosts > 1:
+            hierarchical.all_gather(self, out, src, code)
+        else:
+            self._gather_local(out, src, code)
+        if out.data_ptr() != output.data_ptr():
+            output.copy_(out.view_as(output))
+        return output
+
+    def _gather_local(self, out: torch.Tensor, src: torch.Tensor, code: int) -> None:
+        """This host's ranks' ``src`` into ``out`` in local-rank order (collective over
+        the host's ranks)."""
+        m, dtype = src.numel(), src.dtype
         step = len(self._halves[0][0]) // src.element_size()
         parity = self._next_call()
         for start in range(0, max(m, 1), step):
@@ -585,25 +615,34 @@ class ShmCommunicator:
                 block = out[r * m + start: r * m + start + count]
                 block.copy_(src[start:start + count] if r == self.me
                             else self._area(half, r, count, dtype))
-        if out.data_ptr() != output.data_ptr():
-            output.copy_(out.view_as(output))
-        return output
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        op: str | dist.ReduceOp = "sum", *, signature: int | None = None
                        ) -> torch.Tensor:
         """Reduce ``input`` (group size x ``output.numel()``) across ranks; rank i gets
-        block i of the result in ``output``. Each rank reduces only its own block."""
+        block i of the result in ``output``. On one host each rank reduces only its own
+        block."""
         self._check_open()
-        self._single_host("reduce_scatter")
         name, code = self._code("reduce_scatter", op, input.dtype)
         if signature is not None:
             code = signature
         src, out = self._flat(input, "input"), self._flat(output, "output")
-        m, dtype, n = out.numel(), src.dtype, self.local_size
+        m, dtype, n = out.numel(), src.dtype, self.view.size
         if src.numel() != m * n or out.dtype != dtype:
             raise CommError(f"reduce_scatter: input must hold {n} x {m} {out.dtype} elements, "
                             f"got {src.numel()} {dtype}")
+        if self.nhosts > 1:
+            hierarchical.reduce_scatter(self, out, src, name, code)
+        else:
+            self._reduce_scatter_local(out, src, name, code)
+        if out.data_ptr() != output.data_ptr():
+            output.copy_(out.view_as(output))
+        return output
+
+    def _reduce_scatter_local(self, out: torch.Tensor, src: torch.Tensor, name: str,
+                              code: int) -> None:
+        """One host: every rank stages the pieces its peers reduce, then reduces its own."""
+        m, dtype, n = out.numel(), src.dtype, self.local_size
         step = max(1, len(self._halves[0][0]) // (src.element_size() * n))
         kernel = ops.kernel(name)
         parity = self._next_call()
@@ -628,21 +667,36 @@ class ShmCommunicator:
                 kernel(acc, own if k == 0 else acc, theirs)
         if name == "avg":
             out.div_(self.view.size)
-        if out.data_ptr() != output.data_ptr():
-            output.copy_(out.view_as(output))
-        return output
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: str | dist.ReduceOp = "sum", *,
                signature: int | None = None) -> torch.Tensor:
         """Reduce onto global rank ``dst`` (in place there; other ranks' tensors stay as
-        they were): an all-reduce whose non-destination ranks work on a copy."""
+        they were). On one host: an all-reduce whose non-destination ranks work on a
+        copy."""
         self._check_open()
-        self._single_host("reduce")
         name, code = self._code("reduce", op, tensor.dtype, dst)
-        self._local_of(dst, "dst")
-        work = tensor if self.view.global_rank(self.view.rank) == dst else tensor.clone()
-        self.all_reduce(work, name, signature=code if signature is None else signature)
+        if signature is not None:
+            code = signature
+        self.view.group_rank_of(dst, "dst")
+        if self.nhosts > 1:
+            flat = self._flat(tensor)
+            hierarchical.reduce(self, flat, dst, name, code)
+            if flat.data_ptr() != tensor.data_ptr() and self._is(dst):
+                tensor.copy_(flat.view_as(tensor))
+            return tensor
+        work = tensor if self._is(dst) else tensor.clone()
+        self.all_reduce(work, name, signature=code)
         return tensor
+
+    def _is(self, global_rank: int) -> bool:
+        return self.view.global_rank(self.view.rank) == global_rank
+
+    @staticmethod
+    def _into(flat: torch.Tensor):
+        """A :meth:`_send_from` sink that lands each piece at its place in ``flat``."""
+        def sink(start: int, piece: torch.Tensor) -> None:
+            flat[start:start + piece.numel()].copy_(piece)
+        return sink
 
 
 assert META_WORDS >= 2 * 4  # two meta slots of (numel, signature, buffer, offset)
@@ -734,11 +788,13 @@ class ShmAlgorithm:
 
     On one host each call's signature rides in its first barrier (``in_band(group)`` is
     True and the public layer skips its separate agreement round trip). Across hosts
-    all_reduce and barrier are hierarchical (shm inside each host, the backend between
-    one leader per host); the other collectives use the backend directly, and the public
-    layer keeps its agreement all-gather, since no shared memory spans the hosts. Where
-    shared memory cannot be set up every rank learns it at the same collective and every
-    call goes to the backend.
+    every collective is hierarchical (shm inside each host, the backend between one
+    leader per host, see :mod:`ddpkit.comm.shm.hierarchical`), except all_gather and
+    reduce_scatter where the hosts' ranks are not consecutive equal blocks of group
+    ranks: those use the backend directly (decided from the group's layout, alike on
+    every rank). Across hosts the public layer keeps its agreement all-gather, since no
+    shared memory spans the hosts. Where shared memory cannot be set up every rank
+    learns it at the same collective and every call goes to the backend.
     """
 
     def __init__(self):
@@ -766,6 +822,12 @@ class ShmAlgorithm:
         comm = communicator(group)
         return comm if comm is not None and comm.nhosts == 1 else None
 
+    def _by_blocks(self, group) -> ShmCommunicator | None:
+        """The communicator where it can gather and scatter by group rank (one host, or
+        hosts holding equal blocks of consecutive ranks), else None: the backend."""
+        comm = communicator(group)
+        return comm if comm is not None and comm.host_blocks else None
+
     def refuse(self, signature, group=None) -> None:
         """This rank refused the call locally: tell the peers at the call's barrier."""
         comm = self._one_host(group)
@@ -787,28 +849,28 @@ class ShmAlgorithm:
             comm.barrier(signature=self._word(signature))
 
     def broadcast(self, tensor, src, group=None, *, signature=None) -> None:
-        comm = self._one_host(group)
+        comm = communicator(group)
         if comm is None:
             self._backend.broadcast(tensor, src, group)
         else:
             comm.broadcast(tensor, src, signature=self._word(signature))
 
     def all_gather(self, output, input, group=None, *, signature=None) -> None:
-        comm = self._one_host(group)
+        comm = self._by_blocks(group)
         if comm is None:
             self._backend.all_gather(output, input, group)
         else:
             comm.all_gather(output, input, signature=self._word(signature))
 
     def reduce_scatter(self, output, input, op, group=None, *, signature=None) -> None:
-        comm = self._one_host(group)
+        comm = self._by_blocks(group)
         if comm is None:
             self._backend.reduce_scatter(output, input, op, group)
         else:
             comm.reduce_scatter(output, input, op, signature=self._word(signature))
 
     def reduce(self, tensor, dst, op, group=None, *, signature=None) -> None:
-        comm = self._one_host(group)
+        comm = communicator(group)
         if comm is None:
             self._backend.reduce(tensor, dst, op, group)
         else:
