@@ -41,14 +41,18 @@ def mismatched_call(world, case: str) -> tuple[str, bool]:
     elif case == "op":
         fn = lambda: comm.all_reduce(torch.ones(8), op="max" if r == last else "sum")
     elif case == "algo":
-        fn = lambda: comm.all_reduce(torch.ones(8), algo="backend" if r == last else "ring")
+        # both rings carry the header, which names the algorithm ("ring" against
+        # "backend" meet in different exchanges: that ends in the group's timeout)
+        fn = lambda: comm.all_reduce(torch.ones(8), algo="naive_ring" if r == last else "ring")
     elif case == "root":
         fn = lambda: comm.broadcast(torch.ones(8), src=r % 2)
     elif case == "collective":
         fn = (lambda: comm.broadcast(torch.ones(8), 0)) if r == last else (
             lambda: comm.all_reduce(torch.ones(8)))
     elif case == "unknown_algo_on_one_rank":
-        fn = lambda: comm.all_reduce(torch.ones(8), algo="rign" if r == last else "ring")
+        # a rank that cannot resolve its algorithm takes the agreement all-gather, so its
+        # peers must be on that path too (the backend) to hear of it
+        fn = lambda: comm.all_reduce(torch.ones(8), algo="rign" if r == last else "backend")
     elif case == "all_gather_size":
         n = 4 + (r == last)
         fn = lambda: comm.all_gather(torch.zeros(n * world.world_size), torch.ones(n))
@@ -87,7 +91,7 @@ MISMATCHES = {
     "size": "1000",
     "dtype": "float64",
     "op": "op=max",
-    "algo": "algo=backend",
+    "algo": "algo=naive_ring",
     "root": "root=",
     "collective": "differ",
     "unknown_algo_on_one_rank": "rign",
@@ -295,7 +299,8 @@ def test_single_host_cpu_step_makes_no_backend_call(pools, world_size):
         assert result["calls"] == {}
 
 
-def explicit_backend_still_agrees(world) -> int:
+def _count_agreement_all_gathers(fn) -> int:
+    """How many agreement all-gathers ``fn()`` makes on this rank."""
     from unittest import mock
 
     from ddpkit.comm import agreement
@@ -308,12 +313,211 @@ def explicit_backend_still_agrees(world) -> int:
         return real(*args, **kwargs)
 
     with mock.patch.object(agreement, "agree_all_gather", counted):
-        comm.all_reduce(torch.ones(4), algo="backend")
-        comm.all_reduce(torch.ones(4), algo="ring")
-        comm.all_reduce(torch.ones(4), algo="backend", check=False)
+        fn()
     return len(seen)
 
 
-def test_algorithms_without_an_in_band_channel_keep_the_agreement_all_gather(pools):
-    # the test that proves counting works: the same patch sees the backend path's calls
-    assert pools(2).run(explicit_backend_still_agrees) == [2, 2]
+def agreement_all_gathers_per_algo(world) -> dict:
+    p = world.world_size
+
+    def every_collective(algo: str, **kw):
+        def run() -> None:
+            comm.all_reduce(torch.ones(4), algo=algo, **kw)
+            comm.all_reduce(torch.ones(4), op="avg", algo=algo, **kw)
+            comm.reduce_scatter(torch.empty(2), torch.ones(2 * p), algo=algo, **kw)
+            comm.all_gather(torch.empty(2 * p), torch.ones(2), algo=algo, **kw)
+            comm.broadcast(torch.ones(4), 0, algo=algo, **kw)
+            comm.reduce(torch.ones(4), 0, algo=algo, **kw)
+            comm.barrier(algo=algo, **kw)
+            comm.all_reduce(torch.ones(4), algo=algo, async_op=True, **kw).wait()
+        return run
+
+    return {
+        "backend": _count_agreement_all_gathers(every_collective("backend")),
+        "backend check=False": _count_agreement_all_gathers(
+            every_collective("backend", check=False)),
+        "ring": _count_agreement_all_gathers(every_collective("ring")),
+        "naive_ring": _count_agreement_all_gathers(every_collective("naive_ring")),
+    }
+
+
+def test_ring_calls_make_no_agreement_all_gather_backend_calls_do(pools):
+    # the backend's count proves the counting works: the same patch sees its calls
+    for counts in pools(2).run(agreement_all_gathers_per_algo):
+        assert counts == {"backend": 8, "backend check=False": 0, "ring": 0, "naive_ring": 0}
+
+
+# -- the ring's in-band header ----------------------------------------------------------
+
+
+def _ring_still_works(world) -> bool:
+    """The group is clean: ring calls (sync, then async on the lane) give torch's values."""
+    x = torch.arange(1000, dtype=torch.float32) * (world.rank + 1)
+    want = x.clone()
+    dist.all_reduce(want)
+    comm.all_reduce(x, algo="ring")
+    b = torch.full((300,), float(world.rank))
+    comm.broadcast(b, world.world_size - 1, algo="ring")
+    y = torch.arange(77, dtype=torch.float32) + world.rank
+    want_y = y.clone()
+    dist.all_reduce(want_y)
+    comm.all_reduce(y, algo="ring", async_op=True).wait()
+    return (torch.equal(x, want) and torch.equal(b, torch.full((300,), world.world_size - 1.0))
+            and torch.equal(y, want_y))
+
+
+def ring_mismatch(world, case: str) -> tuple[str, bool]:
+    r, p = world.rank, world.world_size
+    last = r == p - 1
+    ring = {"algo": "ring"}
+    fn = {
+        # every rank a different size: each must learn every row, forwarded hop by hop
+        "size": lambda: comm.all_reduce(torch.ones(1000 + r), **ring),
+        "empty_vs_not": lambda: comm.all_reduce(torch.ones(0 if last else 5), **ring),
+        "dtype": lambda: comm.all_reduce(
+            torch.ones(8, dtype=torch.float64 if last else torch.float32), **ring),
+        "op": lambda: comm.all_reduce(torch.ones(8), op="max" if last else "sum", **ring),
+        "broadcast_root": lambda: comm.broadcast(torch.ones(8), src=r, **ring),
+        "reduce_root": lambda: comm.reduce(torch.ones(8), dst=int(last), **ring),
+        "collective": (lambda: comm.broadcast(torch.ones(8), 0, **ring)) if last else (
+            lambda: comm.all_reduce(torch.ones(8), **ring)),
+        "barrier_vs_all_reduce": (lambda: comm.barrier(**ring)) if last else (
+            lambda: comm.all_reduce(torch.ones(1, dtype=torch.int32), **ring)),
+        "algo": lambda: comm.all_reduce(torch.ones(8), algo="naive_ring" if last else "ring"),
+        "all_gather_size": lambda: comm.all_gather(
+            torch.zeros((4 + last) * p), torch.ones(4 + last), **ring),
+        "reduce_scatter_size": lambda: comm.reduce_scatter(
+            torch.zeros(3 + last), torch.ones((3 + last) * p), **ring),
+        "async_size": lambda: comm.all_reduce(
+            torch.ones(100 + last), async_op=True, **ring).wait(),
+    }[case]
+    try:
+        outcome = _outcome(fn)
+    except RuntimeError as err:  # a future's CommError comes back wrapped by torch
+        outcome = f"CommError: {err}" if "CommError" in str(err) else f"RuntimeError: {err}"
+    return outcome, _ring_still_works(world)
+
+
+def _expected(case: str, p: int) -> list[str]:
+    """Substrings every rank's message must hold: the same verdict, every rank's row."""
+    other = f"rank {p - 1}: "
+    return {
+        "size": [f"rank {r}: {1000 + r} x float32" for r in range(p)],
+        "empty_vs_not": ["rank 0: 5 x float32", other + "0 x float32"],
+        "dtype": ["rank 0: 8 x float32", other + "8 x float64"],
+        "op": ["rank 0: 8 x float32, algo=ring, op=sum", other + "8 x float32, algo=ring, op=max"],
+        "broadcast_root": [f"rank {r}: 8 x float32, algo=ring, root={r}" for r in range(p)],
+        "reduce_root": ["root=0", other + "8 x float32, algo=ring, op=sum, root=1"],
+        "collective": ["rank 0: all_reduce 8 x float32", other + "broadcast 8 x float32"],
+        "barrier_vs_all_reduce": ["rank 0: all_reduce 1 x int32", other + "barrier 0 x -"],
+        "algo": ["rank 0: 8 x float32, algo=ring,", other + "8 x float32, algo=naive_ring"],
+        "all_gather_size": [f"rank 0: 4->{4 * p} x float32", f"{other}5->{5 * p} x float32"],
+        "reduce_scatter_size": [f"rank 0: {3 * p}->3 x float32", f"{other}{4 * p}->4 x float32"],
+        "async_size": ["rank 0: 100 x float32", other + "101 x float32"],
+    }[case]
+
+
+RING_MISMATCHES = ("size", "empty_vs_not", "dtype", "op", "broadcast_root", "reduce_root",
+                   "collective", "barrier_vs_all_reduce", "algo", "all_gather_size",
+                   "reduce_scatter_size", "async_size")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", RING_MISMATCHES)
+def test_ring_mismatch_is_the_same_error_on_every_rank(pools, case, world_size):
+    results = pools(world_size).run(ring_mismatch, case, timeout=60)
+    for rank, (outcome, still_works) in enumerate(results):
+        assert outcome.startswith("CommError") and "differ across ranks" in outcome, (
+            rank, outcome)
+        for part in _expected(case, world_size):
+            assert part in outcome, (rank, part, outcome)
+        assert still_works, f"rank {rank}: ring calls went wrong after the refusal"
+
+
+def ring_local_refusal(world, case: str) -> tuple[str, bool]:
+    r, p = world.rank, world.world_size
+    last = r == p - 1
+    fn = {
+        "band_on_float": lambda: comm.all_reduce(
+            torch.ones(8), op="band" if last else "sum", algo="ring"),
+        "root_outside": lambda: comm.broadcast(torch.ones(8), src=p + 3 if last else 0,
+                                               algo="ring"),
+        "check_false": lambda: comm.reduce_scatter(
+            torch.zeros(3), torch.ones(3 * p + last), algo="ring", check=False),
+        "async": lambda: comm.all_gather(
+            torch.zeros(2 * p), torch.ones(2, dtype=torch.int16 if last else torch.float32),
+            algo="ring", async_op=True).wait(),
+    }[case]
+    try:
+        outcome = _outcome(fn)
+    except RuntimeError as err:  # a future's CommError comes back wrapped by torch
+        outcome = f"CommError: {err}" if "CommError" in str(err) else f"RuntimeError: {err}"
+    return outcome, _ring_still_works(world)
+
+
+RING_REFUSALS = {
+    "band_on_float": "needs an integer tensor",
+    "root_outside": "not a member",
+    "check_false": "needs group size",
+    "async": "dtype",
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", sorted(RING_REFUSALS))
+def test_ring_local_refusal_on_one_rank(pools, case, world_size):
+    results = pools(world_size).run(ring_local_refusal, case, timeout=60)
+    *peers, (own, own_works) = results
+    assert own.startswith("CommError") and RING_REFUSALS[case] in own, own
+    assert own_works
+    for rank, (outcome, still_works) in enumerate(peers):
+        assert outcome.startswith("CommError"), (rank, outcome)
+        assert f"group rank(s) {world_size - 1} refused the call" in outcome, (rank, outcome)
+        assert still_works, rank
+
+
+def ring_op_mismatch_without_the_verdict(world) -> tuple[str, list[float]]:
+    """The control for the tests above: with the header's verdict switched off, a ring
+    op mismatch runs (both rings move the same bytes) and returns wrong values, so the
+    CommError they see comes from the header check, nothing else."""
+    from unittest import mock
+
+    from ddpkit.comm import collectives
+
+    x = torch.tensor([1.0 + world.rank, 10.0])
+    with mock.patch.object(collectives._Call, "verdict", lambda self, rows: None):
+        outcome = _outcome(lambda: comm.all_reduce(
+            x, op="max" if world.rank == 1 else "sum", algo="ring"))
+    return outcome, x.tolist()
+
+
+def test_ring_header_check_is_what_catches_a_mismatch(pools):
+    (out0, x0), (out1, x1) = pools(2).run(ring_op_mismatch_without_the_verdict)
+    assert out0 == out1 == "ok"
+    # neither the sum [3, 20] nor the max [2, 10]: half of each, silently
+    for x in (x0, x1):
+        assert x not in ([3.0, 20.0], [2.0, 10.0]), x
+
+
+def ring_empty_and_avg(world) -> list[str]:
+    """Empty tensors go through the in-band algorithms (they must meet a peer's header)
+    and still do nothing; "avg" reaches the ring, which divides."""
+    p, bad = world.world_size, []
+    for algo in ("ring", "auto"):
+        e = torch.empty(0)
+        comm.all_reduce(e, algo=algo)
+        comm.broadcast(e, 0, algo=algo)
+        comm.reduce(e, 0, algo=algo)
+        comm.all_gather(torch.empty(0), e, algo=algo)
+        comm.reduce_scatter(torch.empty(0), e, algo=algo)
+        x = torch.arange(10, dtype=torch.float32) * (world.rank + 1)
+        comm.all_reduce(x, op="avg", algo=algo)
+        want = torch.arange(10, dtype=torch.float32) * sum(range(1, p + 1)) / p
+        if not torch.equal(x, want):
+            bad.append(f"{algo} avg")
+    return bad
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_empty_tensors_and_avg_through_in_band_algorithms(pools, world_size):
+    assert pools(world_size).run(ring_empty_and_avg, timeout=60) == [[]] * world_size

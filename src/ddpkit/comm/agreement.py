@@ -6,14 +6,19 @@ called after throwing gloo::EnforceNotMet``), and a broadcast of mismatched size
 "succeeds" with garbage. A rank that refuses a call locally (bad dtype, bad root)
 while its peers go ahead leaves them waiting until the group's timeout.
 
-So a call on an algorithm without an in-band channel (the backend, the ring,
-hierarchical across hosts) first all-gathers a few integers describing it (collective,
-algorithm, op, dtype, sizes, root, and whether this rank found a problem). Identical
-rows mean every rank validated the same arguments the same way; anything else becomes
-the same :class:`CommError` on every rank. It costs one tiny all-gather (~0.7 ms with
-gloo on two local ranks); ``check=False`` skips it for callers that guarantee agreement.
-The shm engine carries the same signature inside its own first barrier instead (see
-``ddpkit.comm.shm``), so calls that resolve to it never come here.
+Every call therefore carries a signature: a row of :data:`ROW_WORDS` integers
+(collective, algorithm, op, dtype, sizes, root, and whether this rank found a problem,
+see :class:`CallSignature`). Identical rows mean every rank validated the same arguments
+the same way; anything else becomes the same :class:`CommError` on every rank
+(:func:`verdict`). How the rows travel depends on the algorithm:
+
+* **in-band** where the algorithm exchanges messages anyway: the shm engine publishes
+  its signature word at the barrier each call starts with (``ddpkit.comm.shm``), and the
+  ring sends the row as a fixed-size header around the ring before any payload
+  (``ddpkit.comm.ring``); both end in :func:`verdict`, always on;
+* otherwise (the backend, hierarchical across hosts, registered algorithms without
+  ``in_band``) by :func:`agree`: one tiny all-gather before the call (~0.7 ms with gloo
+  on two local ranks), which ``check=False`` skips for callers that guarantee agreement.
 """
 
 from __future__ import annotations
@@ -86,6 +91,9 @@ def _decode(row: list[int], names: Iterable[str], dtypes: Iterable[str], ops: It
     )
 
 
+ROW_WORDS = 8  # len(CallSignature.row()): the in-band ring header is this many int64s
+
+
 def agree(
     mine: CallSignature,
     group,
@@ -96,17 +104,30 @@ def agree(
     known_ops: Iterable[str],
     known_dtypes: Iterable[str],
 ) -> None:
-    """All-gather the signatures; raise the same CommError everywhere unless all are equal
-    and no rank refused. A rank's own refusal is raised by the caller, not here."""
+    """All-gather the signatures, then :func:`verdict` on them."""
     if group_size == 1:
         return
     row = torch.tensor(mine.row(), dtype=torch.int64, device=device)
     table = torch.empty(group_size * row.numel(), dtype=torch.int64, device=device)
     agree_all_gather(table, row, group)
-    rows = table.view(group_size, -1).tolist()
+    verdict(mine, table.view(group_size, -1).tolist(), known_algos=known_algos,
+            known_ops=known_ops, known_dtypes=known_dtypes)
+
+
+def verdict(
+    mine: CallSignature,
+    rows: list[list[int]],
+    *,
+    known_algos: Iterable[str],
+    known_ops: Iterable[str],
+    known_dtypes: Iterable[str],
+) -> None:
+    """Given every group rank's row (in group-rank order), raise the same CommError on
+    every rank unless all are equal and no rank refused. A rank's own refusal is raised
+    by the caller, not here: it knows the more specific reason."""
     refused = [r for r, values in enumerate(rows) if values[-1]]
     if mine.problem:
-        return  # the caller raises its own, more specific, message
+        return
     if refused:
         who = ", ".join(str(r) for r in refused)
         raise CommError(
@@ -115,11 +136,14 @@ def agree(
         )
     if any(values != rows[0] for values in rows):
         names, dtypes, ops = list(known_algos), list(known_dtypes), list(known_ops)
+        calls = [_decode(v, names, dtypes, ops) for v in rows]
+        # name the collective per rank only where ranks called different ones
+        named = len({c.collective for c in calls}) > 1
         lines = "; ".join(
-            f"rank {r}: {_decode(v, names, dtypes, ops).describe()}" for r, v in enumerate(rows)
+            f"rank {r}: {c.collective + ' ' if named else ''}{c.describe()}"
+            for r, c in enumerate(calls)
         )
         raise CommError(
             f"{mine.collective} arguments differ across ranks ({lines}); every rank of the "
             "group must pass the same size, dtype, op, root and algorithm"
         )
-

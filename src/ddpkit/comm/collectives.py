@@ -7,12 +7,14 @@ Every call follows the same recipe so that algorithms stay small:
    per group and device type);
 2. agree with the other ranks on the call's signature, so a refusal or a mismatch
    becomes the same CommError on every rank before payload moves: in-band where the
-   algorithm synchronises anyway (shm: inside its first barrier, always on), else by
-   the agreement all-gather (``check=True``);
+   algorithm exchanges messages anyway (shm: inside its first barrier; the ring: a
+   fixed-size header sent around the ring before the payload; both always on), else
+   by the agreement all-gather (``check=True``);
 3. hand the algorithm 1-D contiguous tensors (non-contiguous ones are copied into a
    contiguous buffer and the result copied back, so they are *handled*, not refused);
 4. finish "avg" as a sum divided by the group size (gloo has no AVG, and algorithms
-   then only implement the associative ops).
+   then only implement the associative ops); in-band algorithms get "avg" and divide
+   in their own pass.
 
 Results land in place, as with torch: ``all_reduce`` overwrites ``tensor``; ``reduce``
 overwrites it on ``dst`` only (other ranks' tensors are left as they were).
@@ -68,8 +70,8 @@ class _Call:
         self.check = check
         self.problem: CommError | None = None
         self.view = _view(group)
-        # the call's signature, field by field (CallSignature's names; built only when the
-        # agreement all-gather needs one: in-band algorithms read these attributes)
+        # the call's signature, field by field (CallSignature's names; built only when a
+        # row is needed: the shm engine reads these attributes, the ring sends row())
         self.algo, self.op, self.dtype = str(algo), "-", "?"
         self.numel_in = self.numel_out = self.root = -1
         self.name: str | None = None
@@ -94,6 +96,14 @@ class _Call:
         return CallSignature(self.collective, self.algo, self.op, self.dtype, self.numel_in,
                              self.numel_out, self.root, self.problem is not None)
 
+    def row(self) -> list[int]:
+        """The signature as the integers an in-band algorithm exchanges."""
+        return self.sig.row()
+
+    def verdict(self, rows: list[list[int]]) -> None:
+        """Judge every rank's row (exchanged in-band), as the all-gather path does."""
+        agreement.verdict(self.sig, rows, **_decode_names())
+
     def shape(self, dtype: str, numel_in: int, numel_out: int, root: int = -1) -> None:
         self.dtype, self.numel_in, self.numel_out, self.root = dtype, numel_in, numel_out, root
 
@@ -112,7 +122,8 @@ class _Call:
         self.name, self.impl = name, impl
         self.algo = name
         if fallback is not None and not callable(getattr(impl, self.collective, None)):
-            self.method = lambda *args, signature=None: fallback(impl, *args)
+            self.method = lambda *args, signature=None: fallback(impl, *args,
+                                                                 signature=signature)
             return
         self.validate(lambda: setattr(self, "method", registry.method(
             impl, name, self.collective)))
@@ -128,17 +139,14 @@ class _Call:
                 raise self.problem
             return
         if self.check:
-            agreement.agree(
-                self.sig, group, self.view.size, device,
-                known_algos=("auto", *registry.algorithms()),
-                known_ops=(*ops.OPS, "-"),
-                known_dtypes=(*_KNOWN_DTYPES, "-"),
-            )
+            agreement.agree(self.sig, group, self.view.size, device, **_decode_names())
         if self.problem is not None:
             raise self.problem
 
     def invoke(self, *args) -> None:
-        """Run the algorithm's method; in-band algorithms get the signature to check."""
+        """Run the algorithm's method; in-band algorithms get the signature to check
+        (so they are invoked for empty tensors too: a rank with nothing to send must
+        still meet a peer whose call has something, and fail with it)."""
         if self.in_band:
             self.method(*args, signature=self)
         else:
@@ -194,6 +202,15 @@ class _Call:
         if self.problem is not None:
             raise self.problem  # peers get their error from their futures
         return CommHandle(fut)
+
+
+def _decode_names() -> dict:
+    """The names a row's codes are decoded against, for the error message."""
+    return {
+        "known_algos": ("auto", *registry.algorithms()),
+        "known_ops": (*ops.OPS, "-"),
+        "known_dtypes": (*_KNOWN_DTYPES, "-"),
+    }
 
 
 class _DeviceOnly:
@@ -272,7 +289,7 @@ def all_reduce(
     flat, restore = _as_flat(tensor)
 
     def body(group) -> None:
-        if size > 1 and flat.numel() > 0:
+        if size > 1 and (flat.numel() > 0 or call.in_band):
             call.invoke(flat, call.wire(name), group)
 
     def finish() -> torch.Tensor:
@@ -315,7 +332,7 @@ def reduce_scatter(
     def body(group) -> None:
         if size == 1:
             flat_out.copy_(flat_in)
-        elif flat_out.numel() > 0:
+        elif flat_out.numel() > 0 or call.in_band:
             call.invoke(flat_out, flat_in, call.wire(name), group)
 
     def finish() -> torch.Tensor:
@@ -357,7 +374,7 @@ def all_gather(
     def body(group) -> None:
         if size == 1:
             flat_out.copy_(flat_in)
-        elif flat_out.numel() > 0:
+        elif flat_out.numel() > 0 or call.in_band:
             call.invoke(flat_out, flat_in, group)
 
     def finish() -> torch.Tensor:
@@ -391,7 +408,7 @@ def broadcast(
     flat, restore = _as_flat(tensor)
 
     def body(group) -> None:
-        if call.view.size > 1 and flat.numel() > 0:
+        if call.view.size > 1 and (flat.numel() > 0 or call.in_band):
             call.invoke(flat, src, group)
 
     def finish() -> torch.Tensor:
@@ -428,7 +445,7 @@ def reduce(
     is_dst = call.problem is None and call.view.global_rank(call.view.rank) == dst
 
     def body(group) -> None:
-        if size > 1 and flat.numel() > 0:
+        if size > 1 and (flat.numel() > 0 or call.in_band):
             call.invoke(flat, dst, call.wire(name), group)
 
     def finish() -> torch.Tensor:
@@ -476,9 +493,14 @@ def barrier(
 
 
 def _token_barrier(device: torch.device) -> Callable:
-    """A barrier for algorithms without one: all-reduce one element."""
-    def run(impl, group) -> None:
-        impl.all_reduce(torch.zeros(1, dtype=torch.int32, device=device), "sum", group)
+    """A barrier for algorithms without one: all-reduce one element (an in-band
+    algorithm gets the barrier's signature with it, so it checks the call as a barrier)."""
+    def run(impl, group, signature=None) -> None:
+        token = torch.zeros(1, dtype=torch.int32, device=device)
+        if signature is None:
+            impl.all_reduce(token, "sum", group)
+        else:
+            impl.all_reduce(token, "sum", group, signature=signature)
     return run
 
 

@@ -20,8 +20,16 @@ isend/irecv (gloo, MPI). NCCL's individual p2p calls are blocking kernels; use
 ``algo="backend"`` there.
 
 Every rank derives the same chunk and segment boundaries from the tensor size alone,
-so a segment sent by rank r has exactly the size rank r+1 posted for it (gloo aborts
-the process on a size mismatch; the caller's agreement check guards the sizes).
+so a segment sent by rank r has exactly the size rank r+1 posted for it. That holds only
+if every rank made the same call, and gloo aborts the process on a size mismatch, so
+each call first sends a fixed-size *header* around the ring (``RingAlgorithm._agree``):
+the call's signature row (:class:`ddpkit.comm.agreement.CallSignature`), forwarded
+for P-1 hops until every rank holds every rank's row, checked before any payload
+receive is posted. Headers are the same size on every rank whatever the call, so they
+cannot trip gloo's size check, and a mismatch or a refusal becomes the same CommError
+on every rank with the group left clean (no payload message was posted). This is the
+ring's in-band agreement (``in_band`` is True): the public layer skips its separate
+agreement all-gather for ring calls.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import ops
+from ddpkit.comm.agreement import ROW_WORDS
 from ddpkit.comm.groups import GroupView, view
 
 
@@ -44,6 +53,7 @@ class Step:
     out: torch.Tensor
     base: torch.Tensor | None = None  # reduce into out = base (op) received; None: out
     reduce: bool = False
+    divide: int = 1  # then divide out by this ("avg": the step that completes a sum)
 
 
 def split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -167,6 +177,8 @@ class RingAlgorithm:
                     pending.wait()
                 kern(out, bases[t][k], got)
                 free.append(slot)
+                if steps[t].divide != 1:  # before it is forwarded: peers get the average
+                    out.div_(steps[t].divide)
             if t + 1 < len(steps):
                 work = dist.isend(out, g.right, group=g.group)
                 sends.append(work)
@@ -175,50 +187,110 @@ class RingAlgorithm:
         for work in sends:
             work.wait()
 
-    # -- collectives --------------------------------------------------------------------
-    # The public layer (ddpkit.comm.collectives) hands these 1-D contiguous tensors,
-    # never op "avg" (it sums and divides), and never a group of one.
+    # -- the in-band agreement ----------------------------------------------------------
 
-    def all_reduce(self, tensor: torch.Tensor, op: str, group=None) -> None:
+    def in_band(self, group) -> bool:
+        """Every ring call checks its signature itself (the header): no all-gather."""
+        return True
+
+    def refuse(self, signature, group=None) -> None:
+        """This rank refused the call locally: send its header (problem flag set) so
+        the peers raise at the header check; the caller then raises its own error."""
         g = view(group)
+        if g is not None and g.size > 1:
+            self._agree(g, signature)
+
+    def _exchange(self, g: GroupView, row: list[int]) -> list[list[int]]:
+        """Every group rank's row, in group-rank order, passed around the ring.
+
+        All P-1 header receives are posted first; hop h then forwards to the right the
+        row that arrived at hop h-1 (this rank's own at h = 0), so after P-1 hops every
+        rank holds every row. One fixed-size message per hop and rank, on the group the
+        payload will use, in the same per-peer posting order as the payload after it.
+        """
+        p, r = g.size, g.rank
+        table = torch.empty((p, ROW_WORDS), dtype=torch.int64)
+        table[r] = torch.tensor(row, dtype=torch.int64)
+        recvs = [dist.irecv(table[(r - h - 1) % p], g.left, group=g.group)
+                 for h in range(p - 1)]
+        sends = []
+        for h in range(p - 1):
+            sends.append(dist.isend(table[(r - h) % p], g.right, group=g.group))
+            recvs[h].wait()
+        for work in sends:
+            work.wait()
+        return table.tolist()
+
+    def _agree(self, g: GroupView, signature) -> None:
+        """The header pass and its verdict: returns only if every rank made this call.
+        ``signature=None`` (the algorithm called directly, not through ddpkit.comm's
+        functions) skips it: such callers guarantee agreement themselves."""
+        if signature is not None:
+            signature.verdict(self._exchange(g, signature.row()))
+
+    # -- collectives --------------------------------------------------------------------
+    # The public layer (ddpkit.comm.collectives) hands these 1-D contiguous tensors
+    # (empty ones too: the header must still be checked), op "avg" (divided here, at
+    # the rank that completes each sum), and never a group of one.
+
+    def barrier(self, group=None, *, signature=None) -> None:
+        """The header pass alone: no rank can hold every row before every rank has sent
+        its own, i.e. entered the barrier."""
+        g = view(group)
+        if signature is None:
+            self._exchange(g, [0] * ROW_WORDS)
+        else:
+            self._agree(g, signature)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str, group=None, *, signature=None) -> None:
+        g = view(group)
+        self._agree(g, signature)
         p, r = g.size, g.rank
         chunks = [tensor[a:b] for a, b in split(tensor.numel(), p)]
         # Reduce-scatter: step t reduces chunk r-t-1 into place; afterwards this rank
-        # holds the complete chunk r+1. All-gather: step a receives chunk r-a.
-        steps = [Step(chunks[(r - t - 1) % p], reduce=True) for t in range(p - 1)]
+        # holds the complete chunk r+1 (divided there for "avg", so the all-gather
+        # spreads the average and each rank divides 1/P of the tensor). All-gather:
+        # step a receives chunk r-a.
+        steps = [Step(chunks[(r - t - 1) % p], reduce=True,
+                      divide=p if op == "avg" and t == p - 2 else 1) for t in range(p - 1)]
         steps += [Step(chunks[(r - a) % p]) for a in range(p - 1)]
         self._ring(g, chunks[r], steps, ops.kernel(op))
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: str, group=None
+        self, output: torch.Tensor, input: torch.Tensor, op: str, group=None, *, signature=None
     ) -> None:
         # The caller's input must survive, so partial sums go to staging blocks
         # (out = own block (op) received) instead of into the input; the schedule is
         # all_reduce's shifted by one so the last block reduced here is this rank's own.
         g = view(group)
+        self._agree(g, signature)
         p, r = g.size, g.rank
         m = output.numel()
         blocks = [input[i * m : (i + 1) * m] for i in range(p)]
         stage = [torch.empty_like(output) for _ in range(min(2, p - 2))]
         steps = [
             Step(output if t == p - 2 else stage[t % 2], base=blocks[(r - t - 2) % p],
-                 reduce=True)
+                 reduce=True, divide=p if op == "avg" and t == p - 2 else 1)
             for t in range(p - 1)
         ]
         self._ring(g, blocks[(r - 1) % p], steps, ops.kernel(op))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, group=None, *, signature=None
+    ) -> None:
         g = view(group)
+        self._agree(g, signature)
         m = input.numel()
         chunks = [output[i * m : (i + 1) * m] for i in range(g.size)]
         chunks[g.rank].copy_(input)
         steps = [Step(chunks[(g.rank - s - 1) % g.size]) for s in range(g.size - 1)]
         self._ring(g, chunks[g.rank], steps, None)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group=None) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int, group=None, *, signature=None) -> None:
         """A pipelined chain src -> src+1 -> ...: each rank forwards a segment as soon as
         it has landed, so the whole tensor takes one hop's time plus a segment per rank."""
         g = view(group)
+        self._agree(g, signature)
         pos = (g.rank - g.group_rank_of(src, "src")) % g.size
         segs = self.segments(tensor)
         if pos == 0:
@@ -243,11 +315,14 @@ class RingAlgorithm:
         for work in sends:
             work.wait()
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op: str, group=None) -> None:
+    def reduce(
+        self, tensor: torch.Tensor, dst: int, op: str, group=None, *, signature=None
+    ) -> None:
         """A pipelined chain ending at ``dst``: dst+1 sends, each next rank adds its own
         segment and forwards. Only ``dst``'s tensor changes; dst receives the tensor
         once, the least any reduce to one rank can do."""
         g = view(group)
+        self._agree(g, signature)
         pos = (g.rank - g.group_rank_of(dst, "dst") - 1) % g.size  # dst is last
         segs = self.segments(tensor)
         kern = ops.kernel(op)
@@ -271,6 +346,8 @@ class RingAlgorithm:
             seg = segs[k]
             if last:
                 kern(seg, seg, got)
+                if op == "avg":
+                    seg.div_(g.size)
                 return
             if len(sends) > depth:
                 sends.popleft().wait()
