@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import comm
+from ddpkit.comm.ring import HEADER_PAYLOAD_BYTES
 from ddpkit.errors import CommError
 
 
@@ -373,6 +374,9 @@ def ring_mismatch(world, case: str) -> tuple[str, bool]:
     fn = {
         # every rank a different size: each must learn every row, forwarded hop by hop
         "size": lambda: comm.all_reduce(torch.ones(1000 + r), **ring),
+        # one rank's payload fits the header, the other's does not: same header size
+        "size_across_room": lambda: comm.all_reduce(
+            torch.ones(HEADER_PAYLOAD_BYTES // 4 + last), **ring),
         "empty_vs_not": lambda: comm.all_reduce(torch.ones(0 if last else 5), **ring),
         "dtype": lambda: comm.all_reduce(
             torch.ones(8, dtype=torch.float64 if last else torch.float32), **ring),
@@ -403,6 +407,8 @@ def _expected(case: str, p: int) -> list[str]:
     other = f"rank {p - 1}: "
     return {
         "size": [f"rank {r}: {1000 + r} x float32" for r in range(p)],
+        "size_across_room": [f"rank 0: {HEADER_PAYLOAD_BYTES // 4} x float32",
+                             f"{other}{HEADER_PAYLOAD_BYTES // 4 + 1} x float32"],
         "empty_vs_not": ["rank 0: 5 x float32", other + "0 x float32"],
         "dtype": ["rank 0: 8 x float32", other + "8 x float64"],
         "op": ["rank 0: 8 x float32, algo=ring, op=sum", other + "8 x float32, algo=ring, op=max"],
@@ -417,7 +423,8 @@ def _expected(case: str, p: int) -> list[str]:
     }[case]
 
 
-RING_MISMATCHES = ("size", "empty_vs_not", "dtype", "op", "broadcast_root", "reduce_root",
+RING_MISMATCHES = ("size", "size_across_room", "empty_vs_not", "dtype", "op",
+                   "broadcast_root", "reduce_root",
                    "collective", "barrier_vs_all_reduce", "algo", "all_gather_size",
                    "reduce_scatter_size", "async_size")
 
@@ -476,27 +483,141 @@ def test_ring_local_refusal_on_one_rank(pools, case, world_size):
         assert still_works, rank
 
 
-def ring_op_mismatch_without_the_verdict(world) -> tuple[str, list[float]]:
+def ring_op_mismatch_without_the_verdict(world, numel: int) -> tuple[str, list[float]]:
     """The control for the tests above: with the header's verdict switched off, a ring
-    op mismatch runs (both rings move the same bytes) and returns wrong values, so the
+    op mismatch runs (the messages have the same sizes) and returns wrong values, so the
     CommError they see comes from the header check, nothing else."""
     from unittest import mock
 
     from ddpkit.comm import collectives
 
-    x = torch.tensor([1.0 + world.rank, 10.0])
+    x = torch.full((numel,), 10.0)
+    x[0] = 1.0 + world.rank
     with mock.patch.object(collectives._Call, "verdict", lambda self, rows: None):
         outcome = _outcome(lambda: comm.all_reduce(
             x, op="max" if world.rank == 1 else "sum", algo="ring"))
-    return outcome, x.tolist()
+    return outcome, x[[0, -1]].tolist()
 
 
-def test_ring_header_check_is_what_catches_a_mismatch(pools):
-    (out0, x0), (out1, x1) = pools(2).run(ring_op_mismatch_without_the_verdict)
+@pytest.mark.parametrize("numel", [2, HEADER_PAYLOAD_BYTES // 4 + 1],
+                         ids=["in the header", "header then ring"])
+def test_ring_header_check_is_what_catches_a_mismatch(pools, numel):
+    (out0, x0), (out1, x1) = pools(2).run(ring_op_mismatch_without_the_verdict, numel)
     assert out0 == out1 == "ok"
-    # neither the sum [3, 20] nor the max [2, 10]: half of each, silently
-    for x in (x0, x1):
-        assert x not in ([3.0, 20.0], [2.0, 10.0]), x
+    # the sum would be [3, 20] on both ranks: at least one rank silently got something else
+    # (in the header each rank applies its own op; in the ring each rank half of each)
+    assert not (x0 == x1 == [3.0, 20.0]), (x0, x1)
+
+
+# -- payloads inside the header ---------------------------------------------------------
+
+
+def _counting_sends(fn, *args, **kwargs) -> int:
+    """How many point-to-point sends ``fn(*args, **kwargs)`` posts on this rank."""
+    from unittest import mock
+
+    real, seen = dist.isend, []
+
+    def counted(*args, **kwargs):
+        seen.append(1)
+        return real(*args, **kwargs)
+
+    with mock.patch.object(dist, "isend", counted):
+        fn(*args, **kwargs)
+    return len(seen)
+
+
+def ring_at_the_header_room(world) -> dict:
+    """Every ring collective with a payload of exactly the header's room and just over
+    it, against the expected values, with the sends each call posted on this rank."""
+    r, p = world.rank, world.world_size
+    room = HEADER_PAYLOAD_BYTES // 4  # float32 elements that fit
+    out = {}
+    for fits in (True, False):
+        n = room if fits else room + 1
+        x = torch.arange(n, dtype=torch.float32) % 7 + r
+        want = x.clone()
+        dist.all_reduce(want)
+        got = x.clone()
+        sends = _counting_sends(comm.all_reduce, got, algo="ring")
+        out["all_reduce", fits] = (torch.equal(got, want), sends)
+
+        got = x.clone() if r == p - 1 else torch.zeros(n)
+        sends = _counting_sends(comm.broadcast, got, p - 1, algo="ring")
+        out["broadcast", fits] = (torch.equal(got, torch.arange(n) % 7 + float(p - 1)), sends)
+
+        got = x.clone()
+        sends = _counting_sends(comm.reduce, got, 0, op="max", algo="ring")
+        want_max = torch.arange(n) % 7 + float(p - 1)
+        out["reduce", fits] = (torch.equal(got, want_max if r == 0 else x), sends)
+
+        # all_gather fits by its input (n elements), reduce_scatter by its (P x m)
+        gathered = torch.empty(n * p)
+        sends = _counting_sends(comm.all_gather, gathered, x, algo="ring")
+        want_g = torch.cat([torch.arange(n, dtype=torch.float32) % 7 + i for i in range(p)])
+        out["all_gather", fits] = (torch.equal(gathered, want_g), sends)
+
+        m = room // p if fits else room // p + 1
+        big = (torch.arange(m * p, dtype=torch.float32) % 5) * (r + 1)
+        before = big.clone()
+        block = torch.empty(m)
+        sends = _counting_sends(comm.reduce_scatter, block, big, op="avg", algo="ring")
+        want_rs = (torch.arange(m * p, dtype=torch.float32) % 5)[r * m:(r + 1) * m]
+        want_rs = want_rs * sum(range(1, p + 1)) / p
+        out["reduce_scatter", fits] = (
+            torch.equal(block, want_rs) and torch.equal(big, before), sends)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_calls_that_fit_finish_inside_the_header_pass(pools, world_size):
+    results = pools(world_size).run(ring_at_the_header_room, timeout=60)
+    for rank, out in enumerate(results):
+        for key, (ok, _) in out.items():
+            assert ok, (rank, key)
+    for name in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"):
+        # a payload that fits: one header per hop and rank, nothing after it
+        assert [out[name, True][1] for out in results] == [world_size - 1] * world_size, (
+            name, results)
+        # one element more: the header, then the ring's own sends
+        total = sum(out[name, False][1] for out in results)
+        assert total > world_size * (world_size - 1), (name, results)
+
+
+def ring_inline_results_are_identical(world) -> list[list[int]]:
+    """Floats whose sum depends on the order: every rank must still get the same bits."""
+    g = torch.Generator().manual_seed(world.rank)
+    x = torch.randn(1000, generator=g, dtype=torch.float32) * 10 ** torch.randint(
+        -6, 6, (1000,), generator=g)
+    comm.all_reduce(x, op="avg", algo="ring")
+    bits = x.view(torch.int32)
+    table = [torch.empty_like(bits) for _ in range(world.world_size)]
+    dist.all_gather(table, bits)
+    return [int(t.sum()) for t in table] + [int((table[0] != t).sum()) for t in table]
+
+
+def test_inline_reduction_gives_every_rank_the_same_bits(pools):
+    for out in pools(3).run(ring_inline_results_are_identical, timeout=60):
+        assert out[3:] == [0, 0, 0], out
+
+
+def ring_inline_mismatch_leaves_tensors(world) -> list[str]:
+    """A mismatch found in the header pass raises before any result is written, even
+    though every payload has already arrived."""
+    r, bad = world.rank, []
+    x = torch.full((8,), float(r))
+    outcome = _outcome(lambda: comm.all_reduce(x, op="max" if r else "sum", algo="ring"))
+    if "differ across ranks" not in outcome or not torch.equal(x, torch.full((8,), float(r))):
+        bad.append(f"all_reduce: {outcome} {x.tolist()}")
+    out = torch.full((2 * (2 + r),), -1.0)
+    outcome = _outcome(lambda: comm.all_gather(out, torch.ones(2 + r), algo="ring"))
+    if "differ across ranks" not in outcome or not bool((out == -1).all()):
+        bad.append(f"all_gather: {outcome} {out.tolist()}")
+    return bad
+
+
+def test_inline_mismatch_leaves_every_tensor_untouched(pools):
+    assert pools(2).run(ring_inline_mismatch_leaves_tensors, timeout=60) == [[], []]
 
 
 def ring_empty_and_avg(world) -> list[str]:

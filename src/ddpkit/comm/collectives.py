@@ -8,8 +8,8 @@ Every call follows the same recipe so that algorithms stay small:
 2. agree with the other ranks on the call's signature, so a refusal or a mismatch
    becomes the same CommError on every rank before payload moves: in-band where the
    algorithm exchanges messages anyway (shm: inside its first barrier; the ring: a
-   fixed-size header sent around the ring before the payload; both always on), else
-   by the agreement all-gather (``check=True``);
+   fixed-size header sent around the ring, which carries small payloads itself; both
+   always on), else by the agreement all-gather (``check=True``);
 3. hand the algorithm 1-D contiguous tensors (non-contiguous ones are copied into a
    contiguous buffer and the result copied back, so they are *handled*, not refused);
 4. finish "avg" as a sum divided by the group size (gloo has no AVG, and algorithms

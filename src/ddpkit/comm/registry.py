@@ -3,16 +3,24 @@
 An algorithm is any object with ``all_reduce(tensor, op, group)``; it may also provide
 ``reduce_scatter(output, input, op, group)``, ``all_gather(output, input, group)``,
 ``broadcast(tensor, src, group)``, ``reduce(tensor, dst, op, group)`` and
-``barrier(group)``. Callers give it 1-D contiguous tensors, ``op`` is never "avg" (the
-caller sums and divides), ``src``/``dst`` are global ranks, and the group has at least
-two ranks.
+``barrier(group)``. Callers give it 1-D contiguous tensors, ``src``/``dst`` are global
+ranks, and the group has at least two ranks. An algorithm without an in-band check
+(below) never gets op "avg" (the caller sums and divides) nor an empty tensor.
 
 An algorithm that checks calls in-band provides ``in_band(group) -> bool`` and
-``refuse(signature, group)``: where ``in_band`` is True the public layer skips its
-agreement all-gather, passes ``signature=`` (the call's
-:class:`~ddpkit.comm.agreement.CallSignature`) to every method, may pass op "avg" (the
-algorithm divides), and on a local refusal calls ``refuse`` so that the peers raise at
-the call's own synchronisation.
+``refuse(signature, group)``. Where ``in_band`` is True the public layer skips its
+agreement all-gather and passes ``signature=`` to every method (also for empty
+tensors: a rank with nothing to send must still meet its peers' check). The signature
+has the call's fields (``collective``, ``algo``, ``op``, ``dtype``, ``numel_in``,
+``numel_out``, ``root``, ``problem``), ``row()`` (the call as
+:data:`~ddpkit.comm.agreement.ROW_WORDS` integers to exchange with the peers) and
+``verdict(rows)`` (given every rank's row in group-rank order, raises the same
+:class:`~ddpkit.errors.CommError` on every rank unless all agree). The ring exchanges
+``row()`` and calls ``verdict`` before writing any result; the shm engine packs the
+fields into one word of its own and judges those. Such algorithms get op "avg" and
+divide themselves. On a local refusal the public layer calls ``refuse`` instead of the
+method, so that the peers raise at the call's own exchange. See ``RingAlgorithm``
+(``ddpkit.comm.ring``) and ``ShmAlgorithm`` (``ddpkit.comm.shm``).
 
 ``algo="auto"`` is not a registered algorithm: :func:`ddpkit.comm.auto.algo_for` picks
 "shm", "hierarchical" or "backend" once per group and device type.
