@@ -22,10 +22,8 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INTS = (torch.int32, torch.int64)
 DTYPES = FLOATS + INTS
 # Tiny segments make small tensors take the many-segment, many-in-flight code paths
-# (only on small tensors: each message costs a scheduler wake-up on a busy machine);
-# inline_bytes=0 so they run the ring rather than finish inside the header pass, which
-# "ring" and "naive_ring" do at these sizes.
-TINY = comm.RingAlgorithm(segment_bytes=8, in_flight=3, inline_bytes=0)
+# (only on small tensors: each message costs a scheduler wake-up on a busy machine).
+TINY = comm.RingAlgorithm(segment_bytes=8, in_flight=3)
 TINY_MAX_NUMEL = 64
 ALGOS = ("ring", "naive_ring", "ring_tiny", "backend")
 

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from ddpkit import comm
-from ddpkit.comm.ring import HEADER_PAYLOAD_BYTES
 from ddpkit.errors import CommError
 
 
@@ -42,9 +41,8 @@ def mismatched_call(world, case: str) -> tuple[str, bool]:
     elif case == "op":
         fn = lambda: comm.all_reduce(torch.ones(8), op="max" if r == last else "sum")
     elif case == "algo":
-        # both rings carry the header, which names the algorithm ("ring" against
-        # "backend" meet in different exchanges: that ends in the group's timeout)
-        fn = lambda: comm.all_reduce(torch.ones(8), algo="naive_ring" if r == last else "ring")
+        # both take the agreement all-gather, whose row names the algorithm
+        fn = lambda: comm.all_reduce(torch.ones(8), algo="backend" if r == last else "ring")
     elif case == "root":
         fn = lambda: comm.broadcast(torch.ones(8), src=r % 2)
     elif case == "collective":
@@ -52,8 +50,8 @@ def mismatched_call(world, case: str) -> tuple[str, bool]:
             lambda: comm.all_reduce(torch.ones(8)))
     elif case == "unknown_algo_on_one_rank":
         # a rank that cannot resolve its algorithm takes the agreement all-gather, so its
-        # peers must be on that path too (the backend) to hear of it
-        fn = lambda: comm.all_reduce(torch.ones(8), algo="rign" if r == last else "backend")
+        # peers must be on that path too (the ring is) to hear of it
+        fn = lambda: comm.all_reduce(torch.ones(8), algo="rign" if r == last else "ring")
     elif case == "all_gather_size":
         n = 4 + (r == last)
         fn = lambda: comm.all_gather(torch.zeros(n * world.world_size), torch.ones(n))
@@ -92,7 +90,7 @@ MISMATCHES = {
     "size": "1000",
     "dtype": "float64",
     "op": "op=max",
-    "algo": "algo=naive_ring",
+    "algo": "algo=backend",
     "root": "root=",
     "collective": "differ",
     "unknown_algo_on_one_rank": "rign",
@@ -339,16 +337,20 @@ def agreement_all_gathers_per_algo(world) -> dict:
             every_collective("backend", check=False)),
         "ring": _count_agreement_all_gathers(every_collective("ring")),
         "naive_ring": _count_agreement_all_gathers(every_collective("naive_ring")),
+        "ring check=False": _count_agreement_all_gathers(every_collective("ring", check=False)),
+        "auto": _count_agreement_all_gathers(every_collective("auto")),
     }
 
 
-def test_ring_calls_make_no_agreement_all_gather_backend_calls_do(pools):
-    # the backend's count proves the counting works: the same patch sees its calls
+def test_algorithms_without_an_in_band_channel_keep_the_agreement_all_gather(pools):
+    # one all-gather per call (the barrier included) for the backend and the rings, none
+    # with check=False, none for "auto" (shm, which checks inside its own barrier)
     for counts in pools(2).run(agreement_all_gathers_per_algo):
-        assert counts == {"backend": 8, "backend check=False": 0, "ring": 0, "naive_ring": 0}
+        assert counts == {"backend": 8, "backend check=False": 0, "ring": 8, "naive_ring": 8,
+                          "ring check=False": 0, "auto": 0}
 
 
-# -- the ring's in-band header ----------------------------------------------------------
+# -- ring mismatches and refusals (caught by the agreement all-gather) ---------------------
 
 
 def _ring_still_works(world) -> bool:
@@ -372,11 +374,8 @@ def ring_mismatch(world, case: str) -> tuple[str, bool]:
     last = r == p - 1
     ring = {"algo": "ring"}
     fn = {
-        # every rank a different size: each must learn every row, forwarded hop by hop
+        # every rank a different size: each must learn every row
         "size": lambda: comm.all_reduce(torch.ones(1000 + r), **ring),
-        # one rank's payload fits the header, the other's does not: same header size
-        "size_across_room": lambda: comm.all_reduce(
-            torch.ones(HEADER_PAYLOAD_BYTES // 4 + last), **ring),
         "empty_vs_not": lambda: comm.all_reduce(torch.ones(0 if last else 5), **ring),
         "dtype": lambda: comm.all_reduce(
             torch.ones(8, dtype=torch.float64 if last else torch.float32), **ring),
@@ -407,8 +406,6 @@ def _expected(case: str, p: int) -> list[str]:
     other = f"rank {p - 1}: "
     return {
         "size": [f"rank {r}: {1000 + r} x float32" for r in range(p)],
-        "size_across_room": [f"rank 0: {HEADER_PAYLOAD_BYTES // 4} x float32",
-                             f"{other}{HEADER_PAYLOAD_BYTES // 4 + 1} x float32"],
         "empty_vs_not": ["rank 0: 5 x float32", other + "0 x float32"],
         "dtype": ["rank 0: 8 x float32", other + "8 x float64"],
         "op": ["rank 0: 8 x float32, algo=ring, op=sum", other + "8 x float32, algo=ring, op=max"],
@@ -423,8 +420,7 @@ def _expected(case: str, p: int) -> list[str]:
     }[case]
 
 
-RING_MISMATCHES = ("size", "size_across_room", "empty_vs_not", "dtype", "op",
-                   "broadcast_root", "reduce_root",
+RING_MISMATCHES = ("size", "empty_vs_not", "dtype", "op", "broadcast_root", "reduce_root",
                    "collective", "barrier_vs_all_reduce", "algo", "all_gather_size",
                    "reduce_scatter_size", "async_size")
 
@@ -449,8 +445,6 @@ def ring_local_refusal(world, case: str) -> tuple[str, bool]:
             torch.ones(8), op="band" if last else "sum", algo="ring"),
         "root_outside": lambda: comm.broadcast(torch.ones(8), src=p + 3 if last else 0,
                                                algo="ring"),
-        "check_false": lambda: comm.reduce_scatter(
-            torch.zeros(3), torch.ones(3 * p + last), algo="ring", check=False),
         "async": lambda: comm.all_gather(
             torch.zeros(2 * p), torch.ones(2, dtype=torch.int16 if last else torch.float32),
             algo="ring", async_op=True).wait(),
@@ -465,7 +459,6 @@ def ring_local_refusal(world, case: str) -> tuple[str, bool]:
 RING_REFUSALS = {
     "band_on_float": "needs an integer tensor",
     "root_outside": "not a member",
-    "check_false": "needs group size",
     "async": "dtype",
 }
 
@@ -483,109 +476,32 @@ def test_ring_local_refusal_on_one_rank(pools, case, world_size):
         assert still_works, rank
 
 
-def ring_op_mismatch_without_the_verdict(world, numel: int) -> tuple[str, list[float]]:
-    """The control for the tests above: with the header's verdict switched off, a ring
-    op mismatch runs (the messages have the same sizes) and returns wrong values, so the
-    CommError they see comes from the header check, nothing else."""
+def ring_op_mismatch_without_the_verdict(world) -> tuple[str, list[float]]:
+    """The control for the tests above: with the agreement's verdict switched off, a ring
+    op mismatch runs (both rings move the same bytes) and returns wrong values, so the
+    CommError they see comes from the agreement, nothing else."""
     from unittest import mock
 
-    from ddpkit.comm import collectives
+    from ddpkit.comm import agreement
 
-    x = torch.full((numel,), 10.0)
-    x[0] = 1.0 + world.rank
-    with mock.patch.object(collectives._Call, "verdict", lambda self, rows: None):
+    x = torch.tensor([1.0 + world.rank, 10.0])
+    with mock.patch.object(agreement, "verdict", lambda *args, **kwargs: None):
         outcome = _outcome(lambda: comm.all_reduce(
             x, op="max" if world.rank == 1 else "sum", algo="ring"))
-    return outcome, x[[0, -1]].tolist()
+    return outcome, x.tolist()
 
 
-@pytest.mark.parametrize("numel", [2, HEADER_PAYLOAD_BYTES // 4 + 1],
-                         ids=["in the header", "header then ring"])
-def test_ring_header_check_is_what_catches_a_mismatch(pools, numel):
-    (out0, x0), (out1, x1) = pools(2).run(ring_op_mismatch_without_the_verdict, numel)
+def test_ring_agreement_is_what_catches_a_mismatch(pools):
+    (out0, x0), (out1, x1) = pools(2).run(ring_op_mismatch_without_the_verdict)
     assert out0 == out1 == "ok"
-    # the sum would be [3, 20] on both ranks: at least one rank silently got something else
-    # (in the header each rank applies its own op; in the ring each rank half of each)
-    assert not (x0 == x1 == [3.0, 20.0]), (x0, x1)
+    # neither the sum [3, 20] nor the max [2, 10]: half of each, silently
+    for x in (x0, x1):
+        assert x not in ([3.0, 20.0], [2.0, 10.0]), x
 
 
-# -- payloads inside the header ---------------------------------------------------------
-
-
-def _counting_sends(fn, *args, **kwargs) -> int:
-    """How many point-to-point sends ``fn(*args, **kwargs)`` posts on this rank."""
-    from unittest import mock
-
-    real, seen = dist.isend, []
-
-    def counted(*args, **kwargs):
-        seen.append(1)
-        return real(*args, **kwargs)
-
-    with mock.patch.object(dist, "isend", counted):
-        fn(*args, **kwargs)
-    return len(seen)
-
-
-def ring_at_the_header_room(world) -> dict:
-    """Every ring collective with a payload of exactly the header's room and just over
-    it, against the expected values, with the sends each call posted on this rank."""
-    r, p = world.rank, world.world_size
-    room = HEADER_PAYLOAD_BYTES // 4  # float32 elements that fit
-    out = {}
-    for fits in (True, False):
-        n = room if fits else room + 1
-        x = torch.arange(n, dtype=torch.float32) % 7 + r
-        want = x.clone()
-        dist.all_reduce(want)
-        got = x.clone()
-        sends = _counting_sends(comm.all_reduce, got, algo="ring")
-        out["all_reduce", fits] = (torch.equal(got, want), sends)
-
-        got = x.clone() if r == p - 1 else torch.zeros(n)
-        sends = _counting_sends(comm.broadcast, got, p - 1, algo="ring")
-        out["broadcast", fits] = (torch.equal(got, torch.arange(n) % 7 + float(p - 1)), sends)
-
-        got = x.clone()
-        sends = _counting_sends(comm.reduce, got, 0, op="max", algo="ring")
-        want_max = torch.arange(n) % 7 + float(p - 1)
-        out["reduce", fits] = (torch.equal(got, want_max if r == 0 else x), sends)
-
-        # all_gather fits by its input (n elements), reduce_scatter by its (P x m)
-        gathered = torch.empty(n * p)
-        sends = _counting_sends(comm.all_gather, gathered, x, algo="ring")
-        want_g = torch.cat([torch.arange(n, dtype=torch.float32) % 7 + i for i in range(p)])
-        out["all_gather", fits] = (torch.equal(gathered, want_g), sends)
-
-        m = room // p if fits else room // p + 1
-        big = (torch.arange(m * p, dtype=torch.float32) % 5) * (r + 1)
-        before = big.clone()
-        block = torch.empty(m)
-        sends = _counting_sends(comm.reduce_scatter, block, big, op="avg", algo="ring")
-        want_rs = (torch.arange(m * p, dtype=torch.float32) % 5)[r * m:(r + 1) * m]
-        want_rs = want_rs * sum(range(1, p + 1)) / p
-        out["reduce_scatter", fits] = (
-            torch.equal(block, want_rs) and torch.equal(big, before), sends)
-    return out
-
-
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_calls_that_fit_finish_inside_the_header_pass(pools, world_size):
-    results = pools(world_size).run(ring_at_the_header_room, timeout=60)
-    for rank, out in enumerate(results):
-        for key, (ok, _) in out.items():
-            assert ok, (rank, key)
-    for name in ("all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter"):
-        # a payload that fits: one header per hop and rank, nothing after it
-        assert [out[name, True][1] for out in results] == [world_size - 1] * world_size, (
-            name, results)
-        # one element more: the header, then the ring's own sends
-        total = sum(out[name, False][1] for out in results)
-        assert total > world_size * (world_size - 1), (name, results)
-
-
-def ring_inline_results_are_identical(world) -> list[list[int]]:
-    """Floats whose sum depends on the order: every rank must still get the same bits."""
+def ring_results_are_identical(world) -> list[list[int]]:
+    """Floats whose sum depends on the order: every rank must still get the same bits
+    (the ring reduces each chunk once and passes the result on)."""
     g = torch.Generator().manual_seed(world.rank)
     x = torch.randn(1000, generator=g, dtype=torch.float32) * 10 ** torch.randint(
         -6, 6, (1000,), generator=g)
@@ -596,14 +512,13 @@ def ring_inline_results_are_identical(world) -> list[list[int]]:
     return [int(t.sum()) for t in table] + [int((table[0] != t).sum()) for t in table]
 
 
-def test_inline_reduction_gives_every_rank_the_same_bits(pools):
-    for out in pools(3).run(ring_inline_results_are_identical, timeout=60):
+def test_ring_gives_every_rank_the_same_bits(pools):
+    for out in pools(3).run(ring_results_are_identical, timeout=60):
         assert out[3:] == [0, 0, 0], out
 
 
-def ring_inline_mismatch_leaves_tensors(world) -> list[str]:
-    """A mismatch found in the header pass raises before any result is written, even
-    though every payload has already arrived."""
+def ring_mismatch_leaves_tensors(world) -> list[str]:
+    """A mismatch raises before any result is written."""
     r, bad = world.rank, []
     x = torch.full((8,), float(r))
     outcome = _outcome(lambda: comm.all_reduce(x, op="max" if r else "sum", algo="ring"))
@@ -616,13 +531,14 @@ def ring_inline_mismatch_leaves_tensors(world) -> list[str]:
     return bad
 
 
-def test_inline_mismatch_leaves_every_tensor_untouched(pools):
-    assert pools(2).run(ring_inline_mismatch_leaves_tensors, timeout=60) == [[], []]
+def test_ring_mismatch_leaves_every_tensor_untouched(pools):
+    assert pools(2).run(ring_mismatch_leaves_tensors, timeout=60) == [[], []]
 
 
 def ring_empty_and_avg(world) -> list[str]:
-    """Empty tensors go through the in-band algorithms (they must meet a peer's header)
-    and still do nothing; "avg" reaches the ring, which divides."""
+    """Empty tensors still do nothing, through the ring (agreement all-gather) and
+    "auto" (shm, whose in-band check must meet a peer's even with 0 elements); "avg" is
+    right on both (the public layer divides the ring's sum, shm divides itself)."""
     p, bad = world.world_size, []
     for algo in ("ring", "auto"):
         e = torch.empty(0)
@@ -640,5 +556,58 @@ def ring_empty_and_avg(world) -> list[str]:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_empty_tensors_and_avg_through_in_band_algorithms(pools, world_size):
+def test_empty_tensors_and_avg_through_ring_and_auto(pools, world_size):
     assert pools(world_size).run(ring_empty_and_avg, timeout=60) == [[]] * world_size
+
+
+# -- a registered in-band algorithm: the signature's row() and verdict() -----------------
+
+
+class RowsInBand:
+    """The smallest in-band algorithm: it exchanges the signature rows itself (here by
+    torch's all_gather_object, standing in for an algorithm's own messages) and lets
+    ``verdict`` judge them before touching the tensor."""
+
+    def in_band(self, group) -> bool:
+        return True
+
+    def _rows(self, signature, group) -> None:
+        rows = [None] * dist.get_world_size(group)
+        dist.all_gather_object(rows, signature.row(), group=group)
+        signature.verdict(rows)
+
+    def refuse(self, signature, group=None) -> None:
+        self._rows(signature, group)
+
+    def all_reduce(self, tensor, op, group=None, *, signature=None):
+        self._rows(signature, group)
+        if tensor.numel():
+            dist.all_reduce(tensor, comm.ops.TO_REDUCE_OP["sum" if op == "avg" else op],
+                            group=group)
+            if op == "avg":  # in-band algorithms get avg and divide themselves
+                tensor.div_(dist.get_world_size(group))
+
+
+def registered_in_band(world) -> list[str]:
+    comm.register_algorithm("rows_in_band", RowsInBand(), replace=True)
+    r, p = world.rank, world.world_size
+    x = torch.full((4,), float(r + 1))
+    comm.all_reduce(x, op="avg", algo="rows_in_band")
+    out = [str(x.tolist() == [sum(range(1, p + 1)) / p] * 4)]
+    y = torch.ones(3 + r)
+    # check=False does not skip an in-band check (it is part of the call's own exchange)
+    out.append(_outcome(lambda: comm.all_reduce(y, algo="rows_in_band", check=False)))
+    out.append(_outcome(lambda: comm.all_reduce(
+        torch.ones(2), op="band" if r == p - 1 else "sum", algo="rows_in_band")))
+    return out
+
+
+def test_a_registered_in_band_algorithm_checks_with_row_and_verdict(pools):
+    results = pools(2).run(registered_in_band, timeout=60)
+    for rank, (avg_ok, size, _) in enumerate(results):
+        assert avg_ok == "True", (rank, results)
+        # the same verdict on every rank, naming every rank's size
+        assert "differ across ranks" in size and "rank 0: 3 x float32" in size, size
+        assert "rank 1: 4 x float32" in size, size
+    assert "needs an integer tensor" in results[1][2], results
+    assert "group rank(s) 1 refused the call" in results[0][2], results

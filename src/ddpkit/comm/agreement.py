@@ -12,13 +12,15 @@ see :class:`CallSignature`). Identical rows mean every rank validated the same a
 the same way; anything else becomes the same :class:`CommError` on every rank
 (:func:`verdict`). How the rows travel depends on the algorithm:
 
-* **in-band** where the algorithm exchanges messages anyway: the shm engine publishes
-  its signature word at the barrier each call starts with (``ddpkit.comm.shm``), and the
-  ring sends the row as a fixed-size header around the ring before any payload
-  (``ddpkit.comm.ring``); both end in :func:`verdict`, always on;
-* otherwise (the backend, hierarchical across hosts, registered algorithms without
-  ``in_band``) by :func:`agree`: one tiny all-gather before the call (~0.7 ms with gloo
-  on two local ranks), which ``check=False`` skips for callers that guarantee agreement.
+* **in-band** where the algorithm synchronises anyway: the shm engine publishes its
+  signature word at the barrier each call starts with (``ddpkit.comm.shm``), always on;
+  a registered in-band algorithm may exchange rows itself and judge them with
+  :func:`verdict` (through the signature object's ``row()`` and ``verdict(rows)``);
+* otherwise (the backend, the ring, hierarchical across hosts, registered algorithms
+  without ``in_band``) by :func:`agree`: one tiny all-gather before the call (~0.7 ms
+  with gloo on two local ranks), which ``check=False`` skips for callers that guarantee
+  agreement. (The ring carried the row in a header of its own for a while; on gloo that
+  was not reliably cheaper than this all-gather, see docs/collectives.md.)
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def _decode(row: list[int], names: Iterable[str], dtypes: Iterable[str], ops: It
     )
 
 
-ROW_WORDS = 8  # len(CallSignature.row()): the in-band ring header is this many int64s
+ROW_WORDS = 8  # len(CallSignature.row())
 
 
 def agree(

@@ -7,9 +7,9 @@ Every call follows the same recipe so that algorithms stay small:
    per group and device type);
 2. agree with the other ranks on the call's signature, so a refusal or a mismatch
    becomes the same CommError on every rank before payload moves: in-band where the
-   algorithm exchanges messages anyway (shm: inside its first barrier; the ring: a
-   fixed-size header sent around the ring, which carries small payloads itself; both
-   always on), else by the agreement all-gather (``check=True``);
+   algorithm synchronises anyway (shm: inside its first barrier, always on), else by
+   the agreement all-gather (``check=True``; the backend, the ring, hierarchical across
+   hosts);
 3. hand the algorithm 1-D contiguous tensors (non-contiguous ones are copied into a
    contiguous buffer and the result copied back, so they are *handled*, not refused);
 4. finish "avg" as a sum divided by the group size (gloo has no AVG, and algorithms
@@ -71,7 +71,8 @@ class _Call:
         self.problem: CommError | None = None
         self.view = _view(group)
         # the call's signature, field by field (CallSignature's names; built only when a
-        # row is needed: the shm engine reads these attributes, the ring sends row())
+        # row is needed: the shm engine reads these attributes, an in-band algorithm
+        # may exchange row() and judge with verdict())
         self.algo, self.op, self.dtype = str(algo), "-", "?"
         self.numel_in = self.numel_out = self.root = -1
         self.name: str | None = None

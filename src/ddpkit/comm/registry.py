@@ -15,12 +15,11 @@ has the call's fields (``collective``, ``algo``, ``op``, ``dtype``, ``numel_in``
 ``numel_out``, ``root``, ``problem``), ``row()`` (the call as
 :data:`~ddpkit.comm.agreement.ROW_WORDS` integers to exchange with the peers) and
 ``verdict(rows)`` (given every rank's row in group-rank order, raises the same
-:class:`~ddpkit.errors.CommError` on every rank unless all agree). The ring exchanges
-``row()`` and calls ``verdict`` before writing any result; the shm engine packs the
-fields into one word of its own and judges those. Such algorithms get op "avg" and
-divide themselves. On a local refusal the public layer calls ``refuse`` instead of the
-method, so that the peers raise at the call's own exchange. See ``RingAlgorithm``
-(``ddpkit.comm.ring``) and ``ShmAlgorithm`` (``ddpkit.comm.shm``).
+:class:`~ddpkit.errors.CommError` on every rank unless all agree; call it before
+writing any result). The shm engine instead packs the fields into one word of its own
+and judges those (``ShmAlgorithm``, ``ddpkit.comm.shm``). Such algorithms get op "avg"
+and divide themselves. On a local refusal the public layer calls ``refuse`` instead of
+the method, so that the peers raise at the call's own synchronisation.
 
 ``algo="auto"`` is not a registered algorithm: :func:`ddpkit.comm.auto.algo_for` picks
 "shm", "hierarchical" or "backend" once per group and device type.
