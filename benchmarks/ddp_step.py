@@ -15,9 +15,7 @@ round trains on freshly generated batches (the same for all variants of the roun
 * naive     - the tutorial's average_gradients(): one blocking all_reduce per parameter
               after backward, then divide (opt-in);
 * ddpkit    - ddpkit.DataParallel(model), defaults (or --comm / --hook);
-* ddpkit_backend - ddpkit.DataParallel(model, comm="backend"): gloo, as torch (opt-in);
-* ddpkit_segment - the default with peer reads off ($DDPKIT_PEER_READ=0): gradients are
-              copied into buckets in the shared segment and summed there (opt-in).
+* ddpkit_backend - ddpkit.DataParallel(model, comm="backend"): gloo, as torch (opt-in).
 
 Reported: median step time (zero_grad + forward + backward + SGD step) on rank 0, the
 ratio to torch DDP and to torch_shm, scaling efficiency against one process
@@ -104,18 +102,11 @@ def build(name: str, base: nn.Module, opts: dict) -> nn.Module:
         return ddpkit.DataParallel(model, **cap, **ddpkit_options(opts["hook"], opts["comm"]))
     if name == "ddpkit_backend":
         return ddpkit.DataParallel(model, comm="backend", **cap)
-    if name == "ddpkit_segment":
-        # the default engine with peer reads off: gradients copied into shared buckets
-        os.environ["DDPKIT_PEER_READ"] = "0"
-        try:
-            return ddpkit.DataParallel(model, **cap)
-        finally:
-            del os.environ["DDPKIT_PEER_READ"]
     raise SystemExit(f"ddp_step: unknown variant {name!r}; known: {', '.join(VARIANTS)}")
 
 
 VARIANTS = ("single", "local", "torch", "torch_gbv", "torch_shm", "naive", "ddpkit",
-            "ddpkit_backend", "ddpkit_segment")
+            "ddpkit_backend")
 
 
 def worker(world: ddpkit.World, opts: dict) -> dict:
