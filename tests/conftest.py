@@ -54,7 +54,6 @@ LAYERS = {
     "test_plan.py": MULTIPROCESS,
     "test_runtime.py": MULTIPROCESS,
     "test_shm.py": MULTIPROCESS,
-    "test_shm_peer_sum.py": MULTIPROCESS,
     "test_train_fault_api.py": MULTIPROCESS,
     "test_train_metrics.py": MULTIPROCESS,
     "test_train_recipe.py": MULTIPROCESS,

@@ -269,7 +269,7 @@ def test_three_ranks_bitwise_with_torch_layout_and_close_with_ours(pools):
 def run_views_and_rebuild(world):
     torch.manual_seed(0)
     model = Reordered()
-    ddp = DataParallel(model, bucket_cap_mb=0.0002, comm="backend")  # ~200 B: a layer per bucket
+    ddp = DataParallel(model, bucket_cap_mb=0.0002)  # ~200 B: about one layer per bucket
     before = ddp.bucket_layout()
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in range(3):

@@ -12,7 +12,6 @@
 """
 
 import copy
-import os
 import subprocess
 import sys
 
@@ -26,8 +25,6 @@ from ddpkit.parallel import transport
 from ddpkit.parallel.transport import choose
 
 COMMS = ("auto", "backend", "ring", "shm")
-# the same engines, plus shm with peer reads turned off: buckets summed in the segment
-CONFIGS = (*COMMS, "shm-segment")
 
 
 # -- the decision ---------------------------------------------------------------------------
@@ -117,18 +114,12 @@ def run_every_comm(world, steps=3, per_rank=3):
     ref = [p.detach().clone() for p in reference.parameters()]
 
     out = {}
-    for config in CONFIGS:
-        comm = config.removesuffix("-segment")
+    for comm in COMMS:
         model = copy.deepcopy(base)
-        os.environ["DDPKIT_PEER_READ"] = "0" if config.endswith("-segment") else "1"
-        try:
-            ddp = DataParallel(model, comm=comm, bucket_cap_mb=0.002)
-        finally:
-            os.environ.pop("DDPKIT_PEER_READ")
-        info = {"transport": ddp.comm, "peer_sum": ddp.reducer._private}
+        ddp = DataParallel(model, comm=comm, bucket_cap_mb=0.002)
+        info = {"transport": ddp.comm}
         through_slots = _count_calls(ddp.transport.comm, "_reduce_through_slots") \
             if ddp.comm == "shm" else []
-        peer_sums = _count_calls(ddp.reducer._peer_sum, "sum_") if info["peer_sum"] else []
         early = _launches_before_the_last_gradient(ddp)
         mine = slice(r * per_rank, (r + 1) * per_rank)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
@@ -145,12 +136,11 @@ def run_every_comm(world, steps=3, per_rank=3):
                     for b in buffers) for p in model.parameters())
             info["through_slots"] = len(through_slots)
             info["early_launches"] = len(early)
-            info["peer_sums"] = len(peer_sums)
             info["sizes"] = [b.numel() * b.element_size() for b in buffers]
         params = [p.detach().clone() for p in model.parameters()]
         info["vs_one_process"] = max(float((a - b).abs().max()) for a, b in zip(params, ref))
         info["params"] = params
-        out[config] = info
+        out[comm] = info
     return out
 
 
@@ -179,22 +169,15 @@ def run_backend_against_torch(world):
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_every_comm_keeps_replicas_identical_and_equals_one_process(pools, world_size):
     results = pools(world_size).run(run_every_comm)
-    for config in CONFIGS:
-        comm = config.removesuffix("-segment")
-        mine = [r[config] for r in results]
+    for comm in COMMS:
+        mine = [r[comm] for r in results]
         expected = {"auto": "shm"}.get(comm, comm)
         assert all(m["transport"] == expected for m in mine), (comm, [m["transport"] for m in mine])
         for rank, m in enumerate(mine):
             assert m["vs_one_process"] < 1e-12, f"W={world_size} {comm} rank {rank}: {m}"
             assert all(torch.equal(a, b) for a, b in zip(m["params"], mine[0]["params"])), \
                 f"W={world_size} comm={comm}: rank {rank}'s replica differs from rank 0's"
-            # on one CPU host where ranks may read each other's memory (this machine),
-            # gradients are summed where autograd left them; else in the shared buckets
-            assert m["peer_sum"] == (expected == "shm" and not config.endswith("-segment")), m
-            if m["peer_sum"]:
-                assert not m["grads_in_buckets"] and m["peer_sums"] == 3, m
-                assert m["through_slots"] == 0 and m["early_launches"] == 0, m
-            elif expected == "shm":
+            if expected == "shm":
                 assert m["buckets_shared"] and m["grads_in_buckets"], m
                 assert m["through_slots"] == 0, "a bucket was copied through the slots"
                 # the shm sum runs inline: launched early it would overlap nothing

@@ -115,14 +115,6 @@ class Reducer:
         # early launch is only one more point where this rank waits for its slowest peer,
         # and its memory passes evict what autograd is working on. Such buckets are all
         # launched from the end-of-backward callback instead, in the same order.
-        # Where every rank can read its peers' memory (one host, CPU), gradients are not
-        # copied into buckets at all: they stay where autograd put them and are summed
-        # there at the end of backward (ddpkit.comm.shm.peer_sum). Set up collectively
-        # here, on every rank alike; used while no comm hook is registered.
-        make = getattr(transport, "private_sum", None)
-        self._peer_sum = make(len(self.params)) if (
-            make is not None and comm_hook is None and self.world_size > 1
-            and all(p.device.type == "cpu" for p in self.params)) else None
         self._defer_launches = (
             comm_hook is None and transport is not None
             and getattr(transport, "reduces_inline", False)
@@ -234,33 +226,10 @@ class Reducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize_backward)
         self.used[i] = True
         self._mark_ready(i, param)
-        if self.buckets[self.bucket_of[i]].pending == 0 and not (
-                self._defer_launches or self._private):
+        if self.buckets[self.bucket_of[i]].pending == 0 and not self._defer_launches:
             self._launch_ready_buckets()
 
-    @property
-    def _private(self) -> bool:
-        """Gradients are summed where they are (no buckets) in this backward."""
-        return self._peer_sum is not None and self.comm_hook is None
-
-    def _refuse_sparse(self, i: int) -> None:
-        raise DdpkitError(
-            f"parameter {self.names[i]!r} has a sparse gradient; DataParallel reduces "
-            "dense gradients only (use nn.Embedding(sparse=False))"
-        )
-
     def _mark_ready(self, i: int, param: torch.Tensor) -> None:
-        if self._private:
-            grad = param.grad
-            with torch.no_grad():
-                if grad is None:  # no gradient this backward: it contributes zeros
-                    param.grad = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
-                elif grad.is_sparse:
-                    self._refuse_sparse(i)
-                elif not grad.is_contiguous():
-                    param.grad = grad.contiguous()
-            self._count_ready(i)
-            return
         view = self.views[i]
         grad = param.grad
         scale = self.comm_hook is None and self.divisor != 1
@@ -268,7 +237,10 @@ class Reducer:
             if grad is None:
                 view.zero_()
             elif grad.is_sparse:
-                self._refuse_sparse(i)
+                raise DdpkitError(
+                    f"parameter {self.names[i]!r} has a sparse gradient; DataParallel reduces "
+                    "dense gradients only (use nn.Embedding(sparse=False))"
+                )
             elif _same_memory(grad, view):
                 if scale:
                     view.mul_(1.0 / self.divisor)
@@ -278,9 +250,6 @@ class Reducer:
             else:
                 view.copy_(grad)
         param.grad = view
-        self._count_ready(i)
-
-    def _count_ready(self, i: int) -> None:
         self.ready[i] = True
         if self.synced_iterations == 0:
             self.ready_order.append(i)
@@ -329,10 +298,7 @@ class Reducer:
                 )
             for i in missing:
                 self._mark_ready(i, self.params[i])
-            if self._private:
-                self._sum_private([p.grad for p in self.params])
-            else:
-                self._launch_ready_buckets()
+            self._launch_ready_buckets()
             globally_used = self._reduce_used_flags() if self.find_unused else None
             for bucket in self.buckets:
                 self._wait(bucket, bucket.buffer)
@@ -345,10 +311,6 @@ class Reducer:
             self.synced_iterations += 1
         finally:
             self.armed = False
-
-    def _sum_private(self, grads: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            self._peer_sum.sum_(grads, None if self.divisor == 1 else 1.0 / self.divisor)
 
     def _reduce_used_flags(self) -> list[bool]:
         flags = torch.tensor(self.used, dtype=torch.int32, device=self._comm_device())
@@ -376,10 +338,7 @@ class Reducer:
     def shadow_backward(self, divisor: int) -> None:
         """Issue this rank's share of one backward's collectives with zero gradients."""
         self.divisor = divisor
-        if self._private:
-            self._sum_private([torch.zeros(p.shape, dtype=p.dtype, device=p.device)
-                               for p in self.params])
-        for bucket in self.buckets if not self._private else ():
+        for bucket in self.buckets:
             zeros = torch.zeros_like(bucket.buffer)
             views = [zeros[o : o + self.params[i].numel()].view_as(self.params[i])
                      for i, o in zip(bucket.param_indices, bucket.offsets)]

@@ -41,7 +41,6 @@ import torch.distributed as dist
 from ddpkit.comm import auto
 from ddpkit.comm.collectives import all_reduce as comm_all_reduce
 from ddpkit.comm.shm.allreduce import ShmCommunicator
-from ddpkit.comm.shm.peer_sum import PeerSum
 from ddpkit.errors import CommError, ConfigError
 from ddpkit.log import get_logger
 from ddpkit.parallel.buckets import default_allocator
@@ -233,15 +232,6 @@ class ShmTransport:
             dist.all_reduce(tensor, group=self.group)
             return tensor
         return self.comm.all_reduce(tensor, "sum")
-
-    def private_sum(self, capacity: int) -> PeerSum | None:
-        """Collective: a :class:`PeerSum` for up to ``capacity`` gradients, or None where
-        ranks cannot read each other's memory (then buckets go through the segment).
-
-        With it the engine leaves every gradient where autograd put it and sums them there,
-        each rank reading its peers' gradients directly: no copy into the segment at all."""
-        summer = PeerSum(self.comm, capacity)
-        return summer if summer.usable else None
 
     def close(self) -> None:
         self.comm.close()
