@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ddpkit.comm import agreement, groups, lanes, ops, registry
+from ddpkit.comm import agreement, fast_path, groups, lanes, ops, registry
 from ddpkit.comm.agreement import CallSignature
 from ddpkit.comm.lanes import CommHandle
 from ddpkit.errors import CommError
@@ -280,6 +280,12 @@ def all_reduce(
     name. ``async_op=True`` returns a :class:`CommHandle`; otherwise None.
     """
     _require_tensor(tensor, "tensor")
+    plain = algo == "auto" and group is None and not async_op and type(op) is str
+    if plain:
+        route = fast_path.lookup(tensor, op)
+        if route is not None and tensor.is_contiguous() and tensor.numel():
+            route(tensor.view(-1))
+            return None
     call = _Call("all_reduce", algo, group, async_op, check)
     if not call.member:
         return _not_member(async_op)
@@ -302,7 +308,17 @@ def all_reduce(
     def backend_async():
         return call.impl.all_reduce(flat, call.wire(name), group, async_op=True)
 
-    return call.run(tensor.device, body, backend_async, finish)
+    result = call.run(tensor.device, body, backend_async, finish)
+    if plain and call.in_band and size > 1:
+        # validated, resolved and checked in-band: the same call can go straight there
+        method, wire = call.method, call.wire(name)
+        signature = CallSignature("all_reduce", call.name, call.op, call.dtype, -1, -1, -1,
+                                  False)
+        direct = getattr(call.impl, "direct_all_reduce", None)
+        route = direct(wire, None, signature=signature) if direct is not None else None
+        fast_path.remember(tensor, op, route or (
+            lambda flat: method(flat, wire, None, signature=signature)))
+    return result
 
 
 def reduce_scatter(

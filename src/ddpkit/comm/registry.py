@@ -36,6 +36,11 @@ from ddpkit.comm.shm.allreduce import ShmAlgorithm
 from ddpkit.errors import CommError
 
 _algorithms: dict[str, object] = {}
+_version = [0]  # bumped on every change, so routes remembered for an old table are dropped
+
+
+def version() -> int:
+    return _version[0]
 
 
 def register_algorithm(name: str, impl: object, *, replace: bool = False) -> None:
@@ -47,10 +52,12 @@ def register_algorithm(name: str, impl: object, *, replace: bool = False) -> Non
     if name in _algorithms and not replace and _algorithms[name] is not impl:
         raise CommError(f"algorithm {name!r} is already registered; pass replace=True to swap it")
     _algorithms[name] = impl
+    _version[0] += 1
 
 
 def unregister_algorithm(name: str) -> None:
     _algorithms.pop(name, None)
+    _version[0] += 1
 
 
 def algorithms() -> tuple[str, ...]:

@@ -841,6 +841,16 @@ class ShmAlgorithm:
         else:
             comm.all_reduce(tensor, op, signature=self._word(signature))
 
+    def direct_all_reduce(self, op, group=None, *, signature=None):
+        """``all_reduce(flat, op)`` with ``signature`` checked in-band, bound now to the
+        group's communicator (the public layer remembers it for repeated calls), or None
+        where the call is not in-band."""
+        comm = self._one_host(group)
+        if comm is None:
+            return None
+        word = self._word(signature)
+        return lambda flat: comm.all_reduce(flat, op, signature=word)
+
     def barrier(self, group=None, *, signature=None) -> None:
         comm = communicator(group)
         if comm is None:

@@ -1,0 +1,48 @@
+"""The commonest call, ``all_reduce(t)`` on the default group, remembered instead of re-derived.
+
+A public collective validates its arguments, resolves ``algo="auto"`` and agrees on the
+call before the algorithm runs: about 9 us of Python on a 2-core box, half of what the
+shared-memory engine itself takes for a 64 KiB tensor. For an algorithm that checks each
+call in-band (shm on one host) none of that depends on more than the dtype, the device
+type and the op: once a call with those has gone through the full path, the next ones
+can go straight to the algorithm with the same signature. Nothing is skipped that the
+peers rely on: the in-band check still runs inside the algorithm, so a rank whose call
+differs (and takes the full path) still meets the others' calls and every rank raises
+the same error.
+
+Routes are forgotten when the default process group changes or an algorithm is
+registered or removed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.comm import registry
+
+_routes: dict = {}  # (dtype, device type, op name) -> callable(flat tensor)
+_owner: list = [None, -1]  # the default group and registry version the routes belong to
+
+
+def lookup(tensor: torch.Tensor, op: str) -> Callable[[torch.Tensor], object] | None:
+    """The remembered route for this call on the default group, or None."""
+    world = dist.group.WORLD
+    if _owner[0] is not world or _owner[1] != registry.version():
+        _routes.clear()
+        _owner[0], _owner[1] = world, registry.version()
+        return None
+    return _routes.get((tensor.dtype, tensor.device.type, op))
+
+
+def remember(tensor: torch.Tensor, op: str, route: Callable[[torch.Tensor], object]) -> None:
+    """Called after a full-path call of exactly this shape succeeded."""
+    if _owner[0] is dist.group.WORLD and _owner[1] == registry.version():
+        _routes[(tensor.dtype, tensor.device.type, op)] = route
+
+
+def forget() -> None:
+    _routes.clear()
+    _owner[0], _owner[1] = None, -1
