@@ -23,6 +23,14 @@ def _outcome(fn) -> str:
     return "ok"
 
 
+def _outcome_or_wrapped(fn) -> str:
+    """_outcome, also for a future whose CommError comes back wrapped by torch."""
+    try:
+        return _outcome(fn)
+    except RuntimeError as err:
+        return f"CommError: {err}" if "CommError" in str(err) else f"RuntimeError: {err}"
+
+
 def _still_works(world) -> bool:
     x = torch.arange(10, dtype=torch.float32) * (world.rank + 1)
     want = x.clone()
@@ -394,11 +402,7 @@ def ring_mismatch(world, case: str) -> tuple[str, bool]:
         "async_size": lambda: comm.all_reduce(
             torch.ones(100 + last), async_op=True, **ring).wait(),
     }[case]
-    try:
-        outcome = _outcome(fn)
-    except RuntimeError as err:  # a future's CommError comes back wrapped by torch
-        outcome = f"CommError: {err}" if "CommError" in str(err) else f"RuntimeError: {err}"
-    return outcome, _ring_still_works(world)
+    return _outcome_or_wrapped(fn), _ring_still_works(world)
 
 
 def _expected(case: str, p: int) -> list[str]:
@@ -449,11 +453,7 @@ def ring_local_refusal(world, case: str) -> tuple[str, bool]:
             torch.zeros(2 * p), torch.ones(2, dtype=torch.int16 if last else torch.float32),
             algo="ring", async_op=True).wait(),
     }[case]
-    try:
-        outcome = _outcome(fn)
-    except RuntimeError as err:  # a future's CommError comes back wrapped by torch
-        outcome = f"CommError: {err}" if "CommError" in str(err) else f"RuntimeError: {err}"
-    return outcome, _ring_still_works(world)
+    return _outcome_or_wrapped(fn), _ring_still_works(world)
 
 
 RING_REFUSALS = {

@@ -8,15 +8,7 @@ import torch.distributed as dist
 
 from ddpkit import comm
 from ddpkit.comm import collectives, fast_path, registry
-from ddpkit.errors import CommError
-
-
-def _outcome(fn) -> str:
-    try:
-        fn()
-    except CommError as err:
-        return f"CommError: {err}"
-    return "ok"
+from test_comm_errors import _outcome
 
 
 def run_routes(world):
