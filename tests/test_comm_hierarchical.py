@@ -308,3 +308,28 @@ def test_public_door_is_hierarchical_not_a_silent_backend_fallback(pools, layout
                               "reduce_scatter", "all_gather"}
     for rank, result in enumerate(results[1:], 1):
         assert result["digests"] == results[0]["digests"], rank
+
+
+def communicator_after_uneven_groups(world, run: str) -> list[float]:
+    """Rank 0 holds a group its peers do not (made by its members alone, as a user may);
+    then a communicator spanning fake hosts is built and used."""
+    from ddpkit.comm.shm import ShmCommunicator
+
+    extra = dist.new_group([0], use_local_synchronization=True) if world.rank == 0 else None
+    try:
+        with ShmCommunicator(host_id=f"fake-host-{world.rank}", run=run, timeout=30) as comm:
+            x = torch.full((3,), float(world.rank + 1))
+            comm.all_reduce(x)
+            return x.tolist()
+    finally:
+        if extra is not None:
+            dist.destroy_process_group(extra)
+
+
+def test_leaders_group_is_made_when_ranks_hold_different_groups(pools):
+    # The leaders' group used to be made by the leaders alone, and torch names such a
+    # group from how many groups each member holds: here the ranks disagreed and waited
+    # for each other forever (seen as a 300 s pool timeout in CI).
+    results = pools(3).run(communicator_after_uneven_groups, f"t{uuid.uuid4().hex[:8]}",
+                           timeout=90)
+    assert results == [[6.0, 6.0, 6.0]] * 3

@@ -41,11 +41,17 @@ def leaders_group(view, hosts: dict[str, list[int]], is_leader: bool):
     """The leaders' subgroup (on a leader; None elsewhere). ``hosts`` maps each host to
     its group ranks in group order; the first of each is the host's leader."""
     leader_ranks = [view.global_rank(ranks[0]) for ranks in hosts.values()]
-    if is_leader:
-        backend = "gloo" if dist.is_gloo_available() else None
-        return dist.new_group(
-            leader_ranks, backend=backend, use_local_synchronization=True
-        )
+    backend = "gloo" if dist.is_gloo_available() else None
+    if view.size == dist.get_world_size():
+        # Every process of the job builds this communicator, so all of them can take part
+        # in creating the group: torch then names it by a counter that is the same on
+        # every rank. A group made by its members alone is named from how many groups
+        # each member holds, which differs wherever a rank made or dropped a group its
+        # peers did not, and then the members wait for each other forever.
+        group = dist.new_group(leader_ranks, backend=backend)
+        return group if is_leader else None
+    if is_leader:  # a subgroup's communicator: only its members are here
+        return dist.new_group(leader_ranks, backend=backend, use_local_synchronization=True)
     return None
 
 
