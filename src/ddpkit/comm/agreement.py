@@ -6,7 +6,7 @@ called after throwing gloo::EnforceNotMet``), and a broadcast of mismatched size
 "succeeds" with garbage. A rank that refuses a call locally (bad dtype, bad root)
 while its peers go ahead leaves them waiting until the group's timeout.
 
-Every call therefore carries a signature: a row of :data:`ROW_WORDS` integers
+Every call therefore carries a signature: a row of eight integers
 (collective, algorithm, op, dtype, sizes, root, and whether this rank found a problem,
 see :class:`CallSignature`). Identical rows mean every rank validated the same arguments
 the same way; anything else becomes the same :class:`CommError` on every rank
@@ -91,9 +91,6 @@ def _decode(row: list[int], names: Iterable[str], dtypes: Iterable[str], ops: It
         root=row[6],
         problem=bool(row[7]),
     )
-
-
-ROW_WORDS = 8  # len(CallSignature.row())
 
 
 def agree(

@@ -12,8 +12,8 @@ An algorithm that checks calls in-band provides ``in_band(group) -> bool`` and
 agreement all-gather and passes ``signature=`` to every method (also for empty
 tensors: a rank with nothing to send must still meet its peers' check). The signature
 has the call's fields (``collective``, ``algo``, ``op``, ``dtype``, ``numel_in``,
-``numel_out``, ``root``, ``problem``), ``row()`` (the call as
-:data:`~ddpkit.comm.agreement.ROW_WORDS` integers to exchange with the peers) and
+``numel_out``, ``root``, ``problem``), ``row()`` (the call as eight integers to
+exchange with the peers) and
 ``verdict(rows)`` (given every rank's row in group-rank order, raises the same
 :class:`~ddpkit.errors.CommError` on every rank unless all agree; call it before
 writing any result). The shm engine instead packs the fields into one word of its own
