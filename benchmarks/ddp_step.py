@@ -8,6 +8,10 @@ round trains on freshly generated batches (the same for all variants of the roun
 * single    - rank 0 trains alone (no communication) while the other ranks wait;
 * local     - every rank trains its own copy at the same time, no communication: the
               compute-only ceiling of scaling efficiency on this machine;
+* local_synced - as local, but the ranks wait for each other after backward (the wait
+              itself is not timed), so every rank runs its optimizer step at the same
+              moment, as under any synchronous data parallelism (opt-in: shows what that
+              alignment alone costs when the ranks share memory bandwidth);
 * torch     - torch.nn.parallel.DistributedDataParallel(model), defaults;
 * torch_gbv - torch DDP with gradient_as_bucket_view=True;
 * torch_shm - torch DDP with ddpkit's shared-memory comm hook (ddpkit.comm.shm.shm_hook):
@@ -16,6 +20,16 @@ round trains on freshly generated batches (the same for all variants of the roun
               after backward, then divide (opt-in);
 * ddpkit    - ddpkit.DataParallel(model), defaults (or --comm / --hook);
 * ddpkit_backend - ddpkit.DataParallel(model, comm="backend"): gloo, as torch (opt-in).
+
+Timing-only variants (opt-in; their parameters are NOT synchronized, so they are left
+out of the bitwise and replica checks): they take parts of DataParallel(model) away to
+show where its time over ``local`` goes.
+
+* ddpkit_nosum  - DataParallel(model) whose buckets are never summed: every gradient is
+                  still copied and scaled into its bucket, but no rank waits for or reads
+                  another (the cost of the copy alone);
+* ddpkit_unarmed - DataParallel(model) whose backward hooks do nothing (the wrapper's
+                  own forward, no copy, no sum).
 
 Reported: median step time (zero_grad + forward + backward + SGD step) on rank 0, the
 ratio to torch DDP and to torch_shm, scaling efficiency against one process
@@ -86,7 +100,7 @@ def build(name: str, base: nn.Module, opts: dict) -> nn.Module:
 
     model = copy.deepcopy(base)
     cap = {} if opts["bucket_cap_mb"] is None else {"bucket_cap_mb": opts["bucket_cap_mb"]}
-    if name in ("single", "local", "naive"):
+    if name in ("single", "local", "local_synced", "naive"):
         return model
     if name == "torch":
         return DDP(model, **cap)
@@ -102,11 +116,21 @@ def build(name: str, base: nn.Module, opts: dict) -> nn.Module:
         return ddpkit.DataParallel(model, **cap, **ddpkit_options(opts["hook"], opts["comm"]))
     if name == "ddpkit_backend":
         return ddpkit.DataParallel(model, comm="backend", **cap)
+    if name == "ddpkit_nosum":
+        ddp = ddpkit.DataParallel(model, **cap)
+        ddp.reducer.transport.all_reduce = lambda buffer: None  # timing only: no sum
+        return ddp
+    if name == "ddpkit_unarmed":
+        ddp = ddpkit.DataParallel(model, **cap)
+        ddp.reducer.arm = lambda divisor: None  # timing only: hooks return at once
+        return ddp
     raise SystemExit(f"ddp_step: unknown variant {name!r}; known: {', '.join(VARIANTS)}")
 
 
-VARIANTS = ("single", "local", "torch", "torch_gbv", "torch_shm", "naive", "ddpkit",
-            "ddpkit_backend")
+VARIANTS = ("single", "local", "local_synced", "torch", "torch_gbv", "torch_shm", "naive",
+            "ddpkit", "ddpkit_backend", "ddpkit_nosum", "ddpkit_unarmed")
+TIMING_ONLY = ("ddpkit_nosum", "ddpkit_unarmed")  # parameters not synchronized
+UNCHECKED = ("single", "local", "local_synced", *TIMING_ONLY)
 
 
 def worker(world: ddpkit.World, opts: dict) -> dict:
@@ -128,6 +152,10 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
         start = time.perf_counter()
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
+        if name == "local_synced":
+            paused = time.perf_counter()
+            dist.barrier()
+            start += time.perf_counter() - paused
         if name == "naive":
             naive_average_gradients(model)
         opt.step()
@@ -160,9 +188,9 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
         return [p.detach() for p in inner.parameters()]
 
     equal_to_torch = {n: all(torch.equal(a, b) for a, b in zip(params(n), params("torch")))
-                      for n in names if n not in ("single", "local") and "torch" in names}
+                      for n in names if n not in UNCHECKED and "torch" in names}
     checksums = {n: float(sum(p.double().sum() for p in params(n))) for n in names
-                 if n not in ("single", "local")}
+                 if n not in UNCHECKED}
     gathered: list = [None] * W
     dist.all_gather_object(gathered, checksums)
     replicas_equal = {n: len({c[n] for c in gathered}) == 1 for n in checksums}
@@ -214,14 +242,14 @@ def main(argv: list[str] | None = None) -> int:
                "== torch", "replicas ==")
     print(f"\n{'variant':15}" + "".join(f"{c:>13}" for c in columns))
     for name, ms in medians.items():
-        compute_only = name in ("single", "local")
+        compute_only = name in ("single", "local", "local_synced")
         row = {"variant": name, "comm": r0["comm"].get(name), "median_ms": round(ms, 2),
                "vs_torch": ratio(ms, ref["torch"]),
                "vs_torch_shm": ratio(ms, ref["torch_shm"]),
                "efficiency_vs_single": None if name == "single" else ratio(ref["single"], ms),
                "efficiency_vs_local": None if compute_only else ratio(ref["local"], ms),
                "bitwise_equal_to_torch": r0["equal_to_torch"].get(name),
-               "replicas_equal": (None if compute_only else
+               "replicas_equal": (None if name in UNCHECKED else
                                   all(r["replicas_equal"].get(name, True) for r in results)),
                "samples": len(r0["times"][name])}
         rows.append(row)
