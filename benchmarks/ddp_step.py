@@ -8,10 +8,10 @@ round trains on freshly generated batches (the same for all variants of the roun
 * single    - rank 0 trains alone (no communication) while the other ranks wait;
 * local     - every rank trains its own copy at the same time, no communication: the
               compute-only ceiling of scaling efficiency on this machine;
-* local_synced - as local, but the ranks wait for each other after backward (the wait
-              itself is not timed), so every rank runs its optimizer step at the same
-              moment, as under any synchronous data parallelism (opt-in: shows what that
-              alignment alone costs when the ranks share memory bandwidth);
+* local_synced - as local, but the ranks meet at ``ddpkit.comm.barrier()`` after backward
+              (the wait itself is not timed), so every rank runs its optimizer step at
+              the same moment, as under any synchronous data parallelism (opt-in: shows
+              what that alignment alone costs when the ranks share memory bandwidth);
 * torch     - torch.nn.parallel.DistributedDataParallel(model), defaults;
 * torch_gbv - torch DDP with gradient_as_bucket_view=True;
 * torch_shm - torch DDP with ddpkit's shared-memory comm hook (ddpkit.comm.shm.shm_hook):
@@ -154,7 +154,7 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
         F.cross_entropy(model(x), y).backward()
         if name == "local_synced":
             paused = time.perf_counter()
-            dist.barrier()
+            ddpkit.comm.barrier()  # shm on one host: every rank leaves within microseconds
             start += time.perf_counter() - paused
         if name == "naive":
             naive_average_gradients(model)
