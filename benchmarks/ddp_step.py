@@ -100,7 +100,7 @@ def build(name: str, base: nn.Module, opts: dict) -> nn.Module:
 
     model = copy.deepcopy(base)
     cap = {} if opts["bucket_cap_mb"] is None else {"bucket_cap_mb": opts["bucket_cap_mb"]}
-    if name in ("single", "local", "local_synced", "naive"):
+    if name in (*COMPUTE_ONLY, "naive"):
         return model
     if name == "torch":
         return DDP(model, **cap)
@@ -129,8 +129,9 @@ def build(name: str, base: nn.Module, opts: dict) -> nn.Module:
 
 VARIANTS = ("single", "local", "local_synced", "torch", "torch_gbv", "torch_shm", "naive",
             "ddpkit", "ddpkit_backend", "ddpkit_nosum", "ddpkit_unarmed")
+COMPUTE_ONLY = ("single", "local", "local_synced")  # no DDP: the ceilings
 TIMING_ONLY = ("ddpkit_nosum", "ddpkit_unarmed")  # parameters not synchronized
-UNCHECKED = ("single", "local", "local_synced", *TIMING_ONLY)
+UNCHECKED = (*COMPUTE_ONLY, *TIMING_ONLY)
 
 
 def worker(world: ddpkit.World, opts: dict) -> dict:
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                "== torch", "replicas ==")
     print(f"\n{'variant':15}" + "".join(f"{c:>13}" for c in columns))
     for name, ms in medians.items():
-        compute_only = name in ("single", "local", "local_synced")
+        compute_only = name in COMPUTE_ONLY
         row = {"variant": name, "comm": r0["comm"].get(name), "median_ms": round(ms, 2),
                "vs_torch": ratio(ms, ref["torch"]),
                "vs_torch_shm": ratio(ms, ref["torch_shm"]),
