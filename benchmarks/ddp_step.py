@@ -30,12 +30,17 @@ show where its time over ``local`` goes.
                   another (the cost of the copy alone);
 * ddpkit_unarmed - DataParallel(model) whose backward hooks do nothing (the wrapper's
                   own forward, no copy, no sum).
+* ddpkit_nocopy - DataParallel(model) whose hooks leave each gradient where autograd put
+                  it (no copy into the bucket) while the buckets are summed as usual: the
+                  bound on a design in which autograd writes gradients straight into the
+                  shared segment.
 
 Reported: median step time (zero_grad + forward + backward + SGD step) on rank 0, the
 ratio to torch DDP and to torch_shm, scaling efficiency against one process
 (t_single / t_variant) and against the compute-only ceiling (t_local / t_variant), and
 whether parameters after the same steps are bit-identical to torch DDP's (and across
-ranks).
+ranks), and the median count of minor page faults per step on rank 0 (a variant whose
+gradients get fresh memory every step pays for it in faults, not in communication).
 
 Run:  python benchmarks/ddp_step.py [--rounds 9 --steps 6 --comm shm --json out.json]
 """
@@ -46,6 +51,7 @@ import argparse
 import copy
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -124,13 +130,28 @@ def build(name: str, base: nn.Module, opts: dict) -> nn.Module:
         ddp = ddpkit.DataParallel(model, **cap)
         ddp.reducer.arm = lambda divisor: None  # timing only: hooks return at once
         return ddp
+    if name == "ddpkit_nocopy":
+        ddp = ddpkit.DataParallel(model, **cap)
+        ddp.reducer._mark_ready = _count_only(ddp.reducer)  # timing only: no copy
+        return ddp
     raise SystemExit(f"ddp_step: unknown variant {name!r}; known: {', '.join(VARIANTS)}")
 
 
+def _count_only(reducer):
+    """A reducer's per-gradient step without the copy into the bucket (ddpkit_nocopy)."""
+    def mark_ready(i: int, param: torch.Tensor) -> None:
+        reducer.ready[i] = True
+        if reducer.synced_iterations == 0:
+            reducer.ready_order.append(i)
+        reducer.buckets[reducer.bucket_of[i]].pending -= 1
+
+    return mark_ready
+
+
 VARIANTS = ("single", "local", "local_synced", "torch", "torch_gbv", "torch_shm", "naive",
-            "ddpkit", "ddpkit_backend", "ddpkit_nosum", "ddpkit_unarmed")
+            "ddpkit", "ddpkit_backend", "ddpkit_nosum", "ddpkit_unarmed", "ddpkit_nocopy")
 COMPUTE_ONLY = ("single", "local", "local_synced")  # no DDP: the ceilings
-TIMING_ONLY = ("ddpkit_nosum", "ddpkit_unarmed")  # parameters not synchronized
+TIMING_ONLY = ("ddpkit_nosum", "ddpkit_unarmed", "ddpkit_nocopy")  # parameters not synchronized
 UNCHECKED = (*COMPUTE_ONLY, *TIMING_ONLY)
 
 
@@ -144,12 +165,14 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
     optimizers = {n: torch.optim.SGD(models[n].parameters(), lr=0.01) for n in names}
     steps_done: dict[str, int] = {}
     times: dict[str, list[float]] = {n: [] for n in names}
+    faults: dict[str, list[int]] = {n: [] for n in names}  # minor page faults per step
 
     batches: list = []
 
     def step(name: str) -> float:
         model, opt = models[name], optimizers[name]
         x, y = batches[steps_done[name] % len(batches)]
+        faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -161,6 +184,7 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
             naive_average_gradients(model)
         opt.step()
         elapsed = time.perf_counter() - start
+        faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
         steps_done[name] += 1
         return elapsed
 
@@ -195,7 +219,8 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
     gathered: list = [None] * W
     dist.all_gather_object(gathered, checksums)
     replicas_equal = {n: len({c[n] for c in gathered}) == 1 for n in checksums}
-    return {"times": times, "equal_to_torch": equal_to_torch, "replicas_equal": replicas_equal,
+    return {"times": times, "faults": faults, "equal_to_torch": equal_to_torch,
+            "replicas_equal": replicas_equal,
             "comm": {n: getattr(models[n], "comm", None) for n in names}}
 
 
@@ -240,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     columns = ("median ms", "vs torch", "vs torch_shm", "eff single", "eff local",
-               "== torch", "replicas ==")
+               "== torch", "replicas ==", "faults/step")
     print(f"\n{'variant':15}" + "".join(f"{c:>13}" for c in columns))
     for name, ms in medians.items():
         compute_only = name in COMPUTE_ONLY
@@ -252,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                "bitwise_equal_to_torch": r0["equal_to_torch"].get(name),
                "replicas_equal": (None if name in UNCHECKED else
                                   all(r["replicas_equal"].get(name, True) for r in results)),
+               "page_faults_per_step": statistics.median(r0["faults"][name]),
                "samples": len(r0["times"][name])}
         rows.append(row)
 
@@ -261,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"{name:15}{ms:13.1f}" + "".join(fmt(row[k]) for k in (
             "vs_torch", "vs_torch_shm", "efficiency_vs_single", "efficiency_vs_local",
-            "bitwise_equal_to_torch", "replicas_equal")))
+            "bitwise_equal_to_torch", "replicas_equal")) + f"{row['page_faults_per_step']:13.0f}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
           f"({os.cpu_count()} cores)")
     report = {"benchmark": "ddp_step", "argv": sys.argv[1:], "model_params": n_params,
