@@ -1,8 +1,10 @@
 """One training step of an 8.4M-parameter MLP: torch DDP and its variants vs ddpkit.
 
 All variants run side by side in the same processes (gloo, one thread per rank),
-interleaved round by round so machine noise hits them alike; the order of the variants
-rotates by one every round (none always runs first, or right after another), and every
+interleaved round by round so machine noise hits them alike; the variants run in a fresh
+random order every round (the same on every rank, seeded by the round), so none always
+runs first or right after the same other one (a rotation would keep every variant behind
+the same predecessor, which leaves its caches and heap in its own state), and every
 round trains on freshly generated batches (the same for all variants of the round):
 
 * single    - rank 0 trains alone (no communication) while the other ranks wait;
@@ -51,6 +53,7 @@ import argparse
 import copy
 import json
 import os
+import random
 import resource
 import statistics
 import sys
@@ -191,8 +194,7 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
     for round_index in range(opts["rounds"]):
         batches = make_batches(opts["batch"], rank, round_index)
         steps_done = dict.fromkeys(names, 0)
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in random.Random(round_index).sample(names, len(names)):
             dist.barrier()
             n = opts["steps"] + (opts["warmup"] if round_index == 0 else 0)
             if name == "single" and rank != 0:
