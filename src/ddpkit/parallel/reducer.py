@@ -250,6 +250,10 @@ class Reducer:
             else:
                 view.copy_(grad)
         param.grad = view
+        self._count_ready(i)
+
+    def _count_ready(self, i: int) -> None:
+        """Bookkeeping once parameter ``i``'s gradient is in its bucket."""
         self.ready[i] = True
         if self.synced_iterations == 0:
             self.ready_order.append(i)
