@@ -41,6 +41,7 @@ LAYERS = {
     "test_world.py": UNIT,
     "test_checkpoint.py": MULTIPROCESS,
     "test_checkpoint_crash.py": MULTIPROCESS,
+    "test_clean_exit.py": MULTIPROCESS,
     "test_comm.py": MULTIPROCESS,
     "test_comm_async.py": MULTIPROCESS,
     "test_comm_errors.py": MULTIPROCESS,
@@ -51,6 +52,7 @@ LAYERS = {
     "test_ddp_comm.py": MULTIPROCESS,
     "test_ddp_steady_state.py": MULTIPROCESS,
     "test_fault.py": MULTIPROCESS,
+    "test_lifetime.py": MULTIPROCESS,
     "test_logging.py": MULTIPROCESS,
     "test_plan.py": MULTIPROCESS,
     "test_runtime.py": MULTIPROCESS,
@@ -81,6 +83,8 @@ LAYERS = {
 # Four ranks on two cores: every test on the 4-rank pool is slow, and so is starting it.
 SLOW = {
     "test_checkpoint_crash.py": {"test_killed_writer_leaves_previous_checkpoint_chosen"},
+    "test_clean_exit.py": {"test_no_process_group_thread_is_left_at_exit",
+                           "test_twenty_runs_exit_clean"},
     "test_comm.py": {"test_large_tensors_cross_many_segments", "test_subgroups_match_torch",
                      "test_all_reduce_matches_torch[4]",
                      "test_reduce_scatter_and_all_gather_match_torch[3]",

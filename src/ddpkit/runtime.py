@@ -9,14 +9,15 @@ code never needs an ``if distributed:`` branch around its collectives.
 from __future__ import annotations
 
 import contextlib
+import gc
 import re
-import sys
 from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ddpkit import lifetime
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
 from ddpkit.world import World
@@ -99,6 +100,7 @@ def init(
         except (dist.DistNetworkError, dist.DistStoreError) as err:
             raise _rendezvous_error(err, world, init_method, kwargs["timeout"]) from err
     _world = world
+    lifetime.destroy_default_group_at_exit()
     log.debug(f"initialized {backend} process group: {world}")
     return world
 
@@ -127,11 +129,13 @@ def shutdown() -> None:
     """Destroy the process group if one exists; safe to call any number of times."""
     global _world
     if dist.is_available() and dist.is_initialized():
-        lanes = sys.modules.get("ddpkit.comm.lanes")
-        if lanes is not None:
-            # Stop the async collectives' background threads with the groups they talk on.
-            lanes.close_lanes()
+        # What ddpkit built on the groups (lanes, companion groups, shared-memory
+        # communicators) is closed as the groups die; a group that torch's own function
+        # defaults captured is let go, so its backend threads are joined now
+        # (ddpkit.lifetime).
         dist.destroy_process_group()
+        lifetime.release_torch_defaults()
+        gc.collect()
     _world = None
 
 
@@ -160,17 +164,5 @@ def distributed(
             shutdown()
         raise
     if owned:
-        _leave_together(world)
+        lifetime.leave_together()
         shutdown()
-
-
-def _leave_together(world: World) -> None:
-    """Barrier before a clean teardown: a rank that destroys its gloo group while a peer
-    is still finishing its last collective can abort that peer ("terminate called
-    without an active exception"). Only on clean exit: a rank that raised leaves at once,
-    and its peers' barrier then fails fast on the closed connection."""
-    if world.world_size > 1 and dist.is_initialized():
-        try:
-            dist.barrier()
-        except Exception as exc:  # a peer already left: nothing to wait for
-            log.debug(f"teardown barrier: {exc}")

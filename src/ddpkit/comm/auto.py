@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ddpkit import lifetime
 from ddpkit.comm import groups
 from ddpkit.comm.shm import segment
 from ddpkit.comm.shm.allreduce import host_key
@@ -76,18 +77,8 @@ class Layout:
 
 
 _lock = threading.Lock()
-_owner: object | None = None
-_layouts: dict = {}  # group -> Layout
-_choices: dict = {}  # (group, device type) -> algorithm name
-
-
-def _current() -> None:
-    global _owner
-    world = dist.group.WORLD
-    if _owner is not world:
-        _layouts.clear()
-        _choices.clear()
-        _owner = world
+_layouts = lifetime.PerGroup()  # group -> Layout
+_choices = lifetime.PerGroup()  # group -> {device type: algorithm name}
 
 
 def _device_type(device) -> str:
@@ -104,10 +95,8 @@ def shm_usable_here() -> bool:
 
 def layout(group=None) -> Layout:
     """The group's host layout (collective on first call per group, cached after)."""
-    key = dist.group.WORLD if group is None else group
     with _lock:
-        _current()
-        found = _layouts.get(key)
+        found = _layouts.get(group)
     if found is not None:
         return found
     view = groups.view(group)
@@ -120,7 +109,7 @@ def layout(group=None) -> Layout:
         counts[host] = counts.get(host, 0) + 1
     found = Layout(view.size, len(counts) == 1, all(ok for _, ok in rows), max(counts.values()))
     with _lock:
-        _layouts[key] = found
+        _layouts.set(group, found)
     return found
 
 
@@ -128,10 +117,8 @@ def algo_for(group=None, device="cpu") -> str:
     """``choose_algo`` for ``group`` and ``device``, decided once and cached (see module
     docstring: the first CPU call on a group is collective)."""
     dtype = _device_type(device)
-    key = (dist.group.WORLD if group is None else group, dtype)
     with _lock:
-        _current()
-        found = _choices.get(key)
+        found = _choices.get(group, {}).get(dtype)
     if found is not None:
         return found
     if dtype != "cpu":
@@ -141,7 +128,11 @@ def algo_for(group=None, device="cpu") -> str:
         found = choose_algo(dtype, lay.same_host, lay.world_size, shm_ok=lay.shm_ok,
                             max_local=lay.max_local)
     with _lock:
-        _choices[key] = found
+        per_device = _choices.get(group)
+        if per_device is None:
+            per_device = {}
+            _choices.set(group, per_device)
+        per_device[dtype] = found
     return found
 
 

@@ -22,11 +22,13 @@ overwrites it on ``dst`` only (other ranks' tensors are left as they were).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from ddpkit import lifetime
 from ddpkit.comm import agreement, fast_path, groups, lanes, ops, registry
 from ddpkit.comm.agreement import CallSignature
 from ddpkit.comm.lanes import CommHandle
@@ -221,25 +223,22 @@ class _DeviceOnly:
         self.device = device
 
 
-_views: dict = {}
-_views_owner: list = [None]
+_views = lifetime.PerGroup()
 
 
 def _view(group) -> groups.GroupView | None:
-    """groups.view, remembered per group (a call's hot path); a new default group (a new
-    init_process_group) starts afresh."""
-    world = dist.group.WORLD
-    if _views_owner[0] is not world:
-        _views.clear()
-        _views_owner[0] = world
-    key = world if group is None else group
+    """groups.view, remembered per group (a call's hot path); a group destroyed takes its
+    view with it."""
     try:
-        return _views[key]
-    except KeyError:
-        found = _views[key] = groups.view(group)
-        return found
-    except TypeError:  # an unhashable group object
+        found = _views.get(group)
+    except TypeError:  # an unhashable or non-weakrefable group object
         return groups.view(group)
+    if found is None:
+        found = groups.view(group)
+        lifetime.destroy_default_group_at_exit()
+        with contextlib.suppress(TypeError):
+            _views.set(group, found)
+    return found
 
 
 def _not_member(async_op: bool) -> Result:

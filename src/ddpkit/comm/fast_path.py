@@ -16,6 +16,7 @@ registered or removed.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -23,26 +24,32 @@ import torch.distributed as dist
 
 from ddpkit.comm import registry
 
-_routes: dict = {}  # (dtype, device type, op name) -> callable(flat tensor)
-_owner: list = [None, -1]  # the default group and registry version the routes belong to
+
+def _nothing() -> None:
+    return None
+
+
+# [the default group, weakly (remembering a route keeps no group alive: ddpkit.lifetime),
+#  the algorithm table's version, {(dtype, device type, op): route}]
+_owner: list = [_nothing, -1, {}]
 
 
 def lookup(tensor: torch.Tensor, op: str) -> Callable[[torch.Tensor], object] | None:
     """The remembered route for this call on the default group, or None."""
+    owner, version, routes = _owner
     world = dist.group.WORLD
-    if _owner[0] is not world or _owner[1] != registry.version():
-        _routes.clear()
-        _owner[0], _owner[1] = world, registry.version()
+    if world is None or owner() is not world or version != registry.version():
         return None
-    return _routes.get((tensor.dtype, tensor.device.type, op))
+    return routes.get((tensor.dtype, tensor.device.type, op))
 
 
 def remember(tensor: torch.Tensor, op: str, route: Callable[[torch.Tensor], object]) -> None:
     """Called after a full-path call of exactly this shape succeeded."""
-    if _owner[0] is dist.group.WORLD and _owner[1] == registry.version():
-        _routes[(tensor.dtype, tensor.device.type, op)] = route
+    world = dist.group.WORLD
+    if _owner[0]() is not world or _owner[1] != registry.version():
+        _owner[:] = [weakref.ref(world), registry.version(), {}]
+    _owner[2][(tensor.dtype, tensor.device.type, op)] = route
 
 
 def forget() -> None:
-    _routes.clear()
-    _owner[0], _owner[1] = None, -1
+    _owner[:] = [_nothing, -1, {}]

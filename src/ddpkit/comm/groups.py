@@ -6,6 +6,8 @@ the translation here lets every algorithm work unchanged on subgroups.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -13,12 +15,28 @@ import torch.distributed as dist
 from ddpkit.errors import CommError
 
 
+def _default_group() -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class GroupView:
-    group: dist.ProcessGroup | None  # None means the default group, as in torch
+    # Weak: views are cached per group, and a cache must not keep its group (and the
+    # group's backend threads) alive past destroy_process_group (ddpkit.lifetime).
+    group_ref: Callable[[], dist.ProcessGroup | None]
     rank: int  # this process's rank inside the group
     size: int
     global_ranks: tuple[int, ...]  # global rank of each group rank
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The group (None means the default group, as in torch)."""
+        if self.group_ref is _default_group:
+            return None
+        group = self.group_ref()
+        if group is None:
+            raise CommError("this process group was destroyed; create a new one")
+        return group
 
     def global_rank(self, group_rank: int) -> int:
         return self.global_ranks[group_rank % self.size]
@@ -60,4 +78,5 @@ def view(group: dist.ProcessGroup | None) -> GroupView | None:
     if rank < 0:
         return None
     ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    return GroupView(group, rank, len(ranks), ranks)
+    ref = _default_group if group is None else weakref.ref(group)
+    return GroupView(ref, rank, len(ranks), ranks)

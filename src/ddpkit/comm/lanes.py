@@ -18,6 +18,7 @@ group, and inside :func:`new_group` for subgroups.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpkit import lifetime
 from ddpkit.errors import CommError
 
 
@@ -86,24 +88,27 @@ class _Lane:
         self._thread.join(timeout=60)
 
 
-# Lanes and companions belong to one default process group; a new init starts afresh.
-_owner: object | None = None
-_companions: dict[Any, dist.ProcessGroup] = {}
-_lanes: dict[Any, _Lane] = {}
+class _Companion:
+    """The companion group ddpkit made for one group, and its lane once started."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.lane: _Lane | None = None
+
+    def close(self) -> None:
+        if self.lane is not None:
+            self.lane.close()
+            self.lane = None
+        registered = dist.is_initialized() and self.group in dist.distributed_c10d._world.pg_map
+        if registered:
+            with contextlib.suppress(ValueError, RuntimeError):
+                dist.destroy_process_group(self.group)
+        self.group = None  # the last reference: the companion's backend threads are joined
+
+
+# group -> its companion; dropped (lane stopped, companion destroyed) when the group dies
+_companions = lifetime.PerGroup(on_drop=_Companion.close)
 _lock = threading.Lock()
-
-
-def _key(group) -> Any:
-    return "world" if group is None or group == dist.group.WORLD else group
-
-
-def _current() -> None:
-    global _owner
-    world = dist.group.WORLD
-    if _owner is not world:
-        _companions.clear()
-        _lanes.clear()  # their threads idle forever on an empty queue; daemon, harmless
-        _owner = world
 
 
 def new_group(ranks: Sequence[int] | None = None, **kwargs) -> dist.ProcessGroup:
@@ -114,39 +119,32 @@ def new_group(ranks: Sequence[int] | None = None, **kwargs) -> dist.ProcessGroup
     """
     group = dist.new_group(ranks, **kwargs)
     companion = dist.new_group(ranks, **kwargs)
-    with _lock:
-        _current()
-        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
-            _companions[_key(group)] = companion
+    if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        with _lock:
+            _companions.set(group, _Companion(companion))
     return group
 
 
 def lane(group) -> _Lane:
     """The lane for ``group``; the default group's companion is made on first use."""
     with _lock:
-        _current()
-        key = _key(group)
-        if key not in _lanes:
-            if key not in _companions:
-                if key != "world":
-                    raise CommError(
-                        "async_op=True with a Python algorithm needs a group made by "
-                        "ddpkit.comm.new_group(ranks) (it creates the companion group the "
-                        "background lane talks on); or use async_op=False or algo='backend'"
-                    )
-                _companions[key] = dist.new_group()
-            _lanes[key] = _Lane(_companions[key])
-        return _lanes[key]
+        found = _companions.get(group)
+        if found is None:
+            if group is not None and group != dist.group.WORLD:
+                raise CommError(
+                    "async_op=True with a Python algorithm needs a group made by "
+                    "ddpkit.comm.new_group(ranks) (it creates the companion group the "
+                    "background lane talks on); or use async_op=False or algo='backend'"
+                )
+            found = _Companion(dist.new_group())
+            _companions.set(group, found)
+        if found.lane is None:
+            found.lane = _Lane(found.group)
+        return found.lane
 
 
 def close_lanes() -> None:
     """Stop every lane's thread and destroy the companion groups (collective: call it on
     every rank, after waiting for outstanding async calls)."""
     with _lock:
-        for ln in _lanes.values():
-            ln.close()
-        _lanes.clear()
-        if dist.is_initialized() and _owner is dist.group.WORLD:
-            for companion in _companions.values():
-                dist.destroy_process_group(companion)
         _companions.clear()

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ddpkit import lifetime
 from ddpkit.checkpoint import (
     Cadence,
     Checkpointer,
@@ -170,6 +171,8 @@ class Run:
         self.cadence = Cadence(every_steps, every_seconds)
         self.rank = dist.get_rank() if _initialized() else 0
         self.world_size = dist.get_world_size() if _initialized() else 1
+        if _initialized():
+            lifetime.destroy_default_group_at_exit()
         self.is_main = self.rank == 0
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from ddpkit import lifetime
 from ddpkit.errors import ConfigError
 from ddpkit.parallel import torch_compat, transport
 from ddpkit.parallel.buckets import Allocator, size_limits
@@ -193,6 +194,9 @@ class DataParallel(nn.Module, Joinable):
                 f"initial_bucketing must be 'reverse' or 'single', got {initial_bucketing!r}")
         self.module = module
         self.group = group
+        # torch's gloo threads must be joined before the interpreter finalizes: destroy
+        # the default group at exit if the program does not (ddpkit.lifetime).
+        lifetime.destroy_default_group_at_exit()
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.broadcast_buffers = broadcast_buffers

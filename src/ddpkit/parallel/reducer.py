@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.errors import DdpkitError
+from ddpkit.lifetime import no_python_tls
 from ddpkit.parallel.buckets import (
     Allocator,
     Bucket,
@@ -268,6 +269,14 @@ class Reducer:
             self.next_to_launch += 1
 
     def _launch(self, bucket: Bucket, buffer: torch.Tensor, views: list[torch.Tensor]) -> None:
+        # Inside backward, autograd keeps a Python object in thread-local state; a Work
+        # created now would capture it, and a backend thread freeing that Work at
+        # interpreter exit would abort the process (ddpkit.lifetime).
+        with no_python_tls():
+            self._launch_now(bucket, buffer, views)
+
+    def _launch_now(self, bucket: Bucket, buffer: torch.Tensor,
+                    views: list[torch.Tensor]) -> None:
         if self.comm_hook is not None:
             grad_bucket = GradBucket(
                 bucket.index, buffer, [self.params[i] for i in bucket.param_indices], views,
@@ -318,10 +327,11 @@ class Reducer:
 
     def _reduce_used_flags(self) -> list[bool]:
         flags = torch.tensor(self.used, dtype=torch.int32, device=self._comm_device())
-        if self.world_size > 1 and self.transport is not None:
-            self.transport.sum_(flags)
-        elif self.world_size > 1:
-            dist.all_reduce(flags, group=self.group)
+        with no_python_tls():  # see _launch
+            if self.world_size > 1 and self.transport is not None:
+                self.transport.sum_(flags)
+            elif self.world_size > 1:
+                dist.all_reduce(flags, group=self.group)
         return [bool(v) for v in flags.tolist()]
 
     def _wait(self, bucket: Bucket, buffer: torch.Tensor) -> None:

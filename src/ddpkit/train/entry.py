@@ -53,10 +53,8 @@ def exit_process(code: int) -> NoReturn:
     torch's C++ destructors, all after the work is done and its files are closed. What
     finalization would do that matters is done first: non-daemon threads finish,
     ``atexit`` handlers run (logging's flush among them), stdout and stderr are flushed.
-    Everything else the OS reclaims. Skipping finalization also sidesteps a torch/gloo
-    abort: a gloo thread that drops the last reference to a Work created during backward
-    after finalization began cannot take the GIL, and std::terminate ends the process
-    ("terminate called without an active exception", tests/test_migrating.py)."""
+    Everything else the OS reclaims; the atexit handlers include ddpkit's own teardown,
+    which destroys the process groups first (:mod:`ddpkit.lifetime`)."""
     if code != 0:
         sys.exit(code)
     for thread in threading.enumerate():

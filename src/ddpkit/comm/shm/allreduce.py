@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ddpkit import lifetime
 from ddpkit.comm import groups, ops
 from ddpkit.comm.backend import BackendAlgorithm
 from ddpkit.comm.shm import hierarchical, segment
@@ -126,7 +127,7 @@ class ShmCommunicator:
         view = groups.view(group)
         if view is None:
             raise CommError("this rank is not a member of the group it asked shm to serve")
-        self.group, self.view = group, view
+        self.view = view  # holds the group weakly: a communicator keeps no group alive
         self.run = run or run_id()
         self.timeout = float(timeout)
         # two page-aligned halves: consecutive pieces alternate between them
@@ -190,7 +191,7 @@ class ShmCommunicator:
 
     def _gather(self, obj) -> list:
         out: list = [None] * self.view.size
-        dist.all_gather_object(out, obj, group=self.group)
+        dist.all_gather_object(out, obj, group=self.view.group)
         return out
 
     def _shared(self, tag: str, size: int, clean: bool = False) -> segment.Segment:
@@ -271,7 +272,9 @@ class ShmCommunicator:
         self._halves.clear()
         self._ctl_seg.close()
         if self.leaders is not None:
-            dist.destroy_process_group(self.leaders)
+            if dist.is_initialized() and self.leaders in dist.distributed_c10d._world.pg_map:
+                with contextlib.suppress(ValueError, RuntimeError):
+                    dist.destroy_process_group(self.leaders)
             self.leaders = None
 
     def __enter__(self) -> ShmCommunicator:
@@ -742,25 +745,25 @@ def describe_call(numel: int, word: int) -> tuple[str, str]:
 
 # ---------------------------------------------------------------------- registry face
 
-_communicators: dict = {}  # group -> ShmCommunicator, or None when shm proved unusable
-_hosts: dict = {}  # group -> whether all its ranks share one host
-
-
-def _key(group):
-    return dist.group.WORLD if group is None else group
+# group -> ShmCommunicator, or None when shm proved unusable; a communicator is closed
+# when its group dies (ddpkit.lifetime)
+_communicators = lifetime.PerGroup(on_drop=ShmCommunicator.close)
+_hosts = lifetime.PerGroup()  # group -> whether all its ranks share one host
 
 
 def communicator(group: dist.ProcessGroup | None = None) -> ShmCommunicator | None:
     """The shared communicator for ``group`` (created collectively on first use), or None
     when shared memory is unusable here (then the caller falls back to the backend)."""
-    key = _key(group)
-    if key not in _communicators:
-        try:
-            _communicators[key] = ShmCommunicator(group)
-        except CommError as exc:
-            log.warning(f"shared-memory all_reduce unavailable, using the backend: {exc}")
-            _communicators[key] = None
-    return _communicators[key]
+    marker = _communicators.get(group, _communicators)
+    if marker is not _communicators:
+        return marker
+    try:
+        found = ShmCommunicator(group)
+    except CommError as exc:
+        log.warning(f"shared-memory all_reduce unavailable, using the backend: {exc}")
+        found = None
+    _communicators.set(group, found)
+    return found
 
 
 def backend_all_reduce(tensor: torch.Tensor, op: str, group=None) -> torch.Tensor:
@@ -899,10 +902,11 @@ def supports(tensor: torch.Tensor, group=None) -> bool:
         return False
     if not (segment.available() and memory_model_ok()) or groups.view(group) is None:
         return False
-    key = _key(group)
-    if key not in _hosts:
+    found = _hosts.get(group)
+    if found is None:
         view = groups.view(group)
         keys: list = [None] * view.size
         dist.all_gather_object(keys, host_key(), group=group)
-        _hosts[key] = len(set(keys)) == 1
-    return _hosts[key]
+        found = len(set(keys)) == 1
+        _hosts.set(group, found)
+    return found
