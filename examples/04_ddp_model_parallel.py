@@ -66,8 +66,8 @@ def main() -> None:
     dist.init_process_group(backend=dist.get_default_backend_for_device(dev0))
     try:
         demo_model_parallel(dist.get_rank(), dev0, dev1)
-        # Leave together: a rank tearing gloo down while its peer still closes the
-        # connection can abort ("terminate called without an active exception").
+        # Leave together: a rank that closes its connections while a peer is still in
+        # its last collective would fail that peer.
         dist.barrier()
     finally:
         dist.destroy_process_group()

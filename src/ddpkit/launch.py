@@ -214,6 +214,7 @@ def launch_argv(argv: Sequence[str]) -> int:
     from ddpkit import torchrun_args
 
     args = torchrun_args.parse(list(argv))
+    run_through_script_runner(args, torchrun.get_use_env(args))
     # A DdpkitError escaping the script: one line per rank and exit 2, not a traceback.
     os.environ.setdefault(ONE_LINE_ERRORS_ENV, "1")
     if not args.standalone:
@@ -248,6 +249,20 @@ def launch_argv(argv: Sequence[str]) -> int:
     except ChildFailedError as err:
         return report_failure(err.failures, args.role)
     return 0
+
+
+def run_through_script_runner(args, use_env: bool) -> None:
+    """Each rank runs the program through :mod:`ddpkit.script_runner`: unchanged, but with
+    its process groups torn down before the interpreter finalizes (a gloo thread freeing a
+    collective's Python objects during finalization aborts a program that succeeded).
+    Not for ``--no-python`` executables, ``--run-path`` (in the agent's interpreter) or
+    the deprecated ``--no-use-env`` (torchrun puts ``--local-rank`` first)."""
+    if args.no_python or args.run_path or not use_env:
+        return
+    program = ["-m", args.training_script] if args.module else [args.training_script]
+    args.training_script_args = [*program, *args.training_script_args]
+    args.training_script = "ddpkit.script_runner"
+    args.module = True
 
 
 def choose_network(args, multi_node: bool) -> None:
