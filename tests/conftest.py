@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNIT, MULTIPROCESS, E2E = "unit", "multiprocess", "e2e"
 LAYERS = {
     "test_bad_inputs.py": UNIT,
+    "test_cli.py": UNIT,
     "test_layers.py": UNIT,
     "test_metric_log.py": UNIT,
     "test_data_datasets.py": UNIT,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from ddpkit.errors import DdpkitError
@@ -26,9 +27,43 @@ def package_version() -> str:
         return "unknown"
 
 
+_MARKUP = re.compile(r"``([^`]+?)``|:(?:class|func|mod|meth|data):`~?([^`]+)`")
+
+
+def plain(text: str) -> str:
+    """Help text without reStructuredText markup (``code``, :mod:`name`)."""
+    return _MARKUP.sub(lambda m: m.group(1) or m.group(2), text)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions keep their line breaks; every option says its default (or that it is
+    required), and no markup reaches the terminal."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = plain(action.help or "")
+        if not action.option_strings or "default" in text or text == argparse.SUPPRESS:
+            return text
+        if action.required:
+            return f"{text} (required)"
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreConstAction)):
+            return f"{text} (default: off)"
+        if action.default is not None and action.default is not argparse.SUPPRESS:
+            return f"{text} (default: %(default)s)"
+        return text
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(plain(text))
+
+
 class _Parser(argparse.ArgumentParser):
-    """A bad flag or value is one line (not argparse's usage block first), exit 2.
-    Subcommand parsers are of the same class."""
+    """A bad flag or value is one line naming the command (not argparse's usage block
+    first), exit 2. Subcommand parsers are of the same class and format their help with
+    :class:`HelpFormatter`."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs["formatter_class"] = HelpFormatter
+        super().__init__(*args, **kwargs)
+        self.set_defaults(_parser=self)  # the innermost parser that ran wins
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -36,13 +71,44 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="ddpkit", description="Distributed data-parallel training on PyTorch."
+        prog="ddpkit", description="Distributed data-parallel training on PyTorch. "
+        "Run `ddpkit COMMAND --help` for a command's options."
     )
-    parser.add_argument("--version", action="version", version=f"ddpkit {package_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.add_argument("--version", action="version", version=f"ddpkit {package_version()}",
+                        help="print the installed version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                parser_class=_Parser)
     for name in COMMANDS:
         importlib.import_module(f"ddpkit.commands.{name}").register(sub)
+    _describe_from_help(parser)
     return parser
+
+
+def _describe_from_help(parser: argparse.ArgumentParser) -> None:
+    """A (sub)command registered without a description shows its one-line help as one
+    in its own --help."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for listed in action._choices_actions:
+                child = action.choices[listed.dest]
+                if not child.description and listed.help:
+                    child.description = listed.help[0].upper() + listed.help[1:] + "."
+                _describe_from_help(child)
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; a mistake is reported by the (sub)command it belongs to."""
+    if not argv:
+        parser.error(f"give a command: {', '.join(COMMANDS)}")
+    first = argv[0]
+    if first.startswith("-") and first not in ("-h", "--help", "--version"):
+        parser.error(f"unknown option {first.split('=')[0]}: options go after the command "
+                     f"(ddpkit COMMAND {first}); commands: {', '.join(COMMANDS)}")
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        words = " ".join(extra)
+        args._parser.error(f"unrecognized arguments: {words}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,14 +116,15 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_cli_logging()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, sys.argv[1:] if argv is None else list(argv))
+    prog = args._parser.prog  # "ddpkit train", "ddpkit plan project", ...
     try:
         return int(args.func(args) or 0)
     except DdpkitError as err:
-        print(f"ddpkit {args.command}: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"ddpkit {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -7,7 +7,6 @@ harnesses themselves are in :mod:`ddpkit.bench`. To add a benchmark, add its
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -17,7 +16,7 @@ from ddpkit.errors import ConfigError
 
 
 def register(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: collectives bus bandwidth, ...")
+    p = sub.add_parser("bench", help="benchmarks: collectives bus bandwidth, shared memory vs gloo")
     bench_sub = p.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
     for register_bench in BENCHES:
         register_bench(bench_sub)
@@ -30,7 +29,6 @@ def _register_collectives(bench_sub) -> None:
         description="Spawn N local ranks and time one collective over a sweep of sizes for "
         "each algorithm, alternating algorithms so noise hits all alike. Prints a table "
         "(bytes, elements, time, algbw, busbw) and writes CSV, JSON and a PNG plot.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--nproc", type=int, default=2, help="ranks to spawn on this machine")
     p.add_argument("--op", default="all_reduce",
@@ -40,7 +38,7 @@ def _register_collectives(bench_sub) -> None:
                         "naive_ring, backend, shm, auto)")
     p.add_argument("--sizes", default="1K:256M",
                    help="MIN:MAX (powers of two), MIN:MAX:FACTOR, or a list 1K,16M")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", help="element type of the tensors")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds per size")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per size (median)")
     p.add_argument("--threads", type=int, default=None,

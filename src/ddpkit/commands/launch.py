@@ -12,8 +12,9 @@ import argparse
 from ddpkit.launch import LaunchOptions
 
 
-def add_launch_options(p: argparse.ArgumentParser) -> None:
-    """Options shared by `launch` and `train` (which launches itself)."""
+def add_launch_options(p: argparse.ArgumentParser, restarts: bool = True) -> None:
+    """Options shared by `train` and `verify` (which launch themselves); ``restarts``:
+    whether --max-restarts applies (a verification is not resumed)."""
     g = p.add_argument_group("launch")
     g.add_argument(
         "--nproc-per-node",
@@ -25,24 +26,22 @@ def add_launch_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX for elastic")
     g.add_argument(
         "--node-rank", "--node_rank", type=int, default=None,
-        help="this node's rank (static rendezvous)",
+        help="this node's rank (static rendezvous) (default: given by the rendezvous)",
     )
     g.add_argument(
         "--rdzv-endpoint",
         "--rdzv_endpoint",
         default=None,
-        help="HOST:PORT of the c10d rendezvous on the first node (multi-node)",
+        help="HOST:PORT of the c10d rendezvous on the first node (multi-node) "
+             "(default: none, one node)",
     )
     g.add_argument("--rdzv-id", "--rdzv_id", default="ddpkit", help="job id shared by all nodes")
-    g.add_argument(
-        "--max-restarts",
-        "--max_restarts",
-        type=int,
-        default=0,
-        help="restart all workers up to K times when one fails",
-    )
+    if restarts:
+        g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="K",
+                       help="restart all workers up to K times when one fails")
     g.add_argument("--local-addr", "--local_addr", default=None,
-                   help="address other nodes reach this node by")
+                   help="address other nodes reach this node by (default: the source "
+                        "address of the route to --rdzv-endpoint)")
 
 
 def options_from_args(args) -> LaunchOptions:
@@ -52,7 +51,7 @@ def options_from_args(args) -> LaunchOptions:
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id,
-        max_restarts=args.max_restarts,
+        max_restarts=getattr(args, "max_restarts", 0),
         local_addr=args.local_addr,
     )
 

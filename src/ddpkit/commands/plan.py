@@ -7,19 +7,28 @@
 
 from __future__ import annotations
 
-import argparse
 import json
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
 from ddpkit.errors import ConfigError
+from ddpkit.plan.model import DEVICES, PRESETS
+
+DESCRIPTION = """\
+Predict all-reduce and step times of data-parallel training, here and at scale:
+
+    ddpkit plan calibrate --out cal.json          # time all-reduce here, fit the link
+    ddpkit plan validate --calibration cal.json   # predicted vs measured DDP step here
+    ddpkit plan project --params 1e9 --gpus 1:1024 --intra nvlink4 --inter ib-ndr
+"""
 
 
 def register(sub) -> None:
     p = sub.add_parser("plan", help="alpha-beta cost model: calibrate, validate, project",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=DESCRIPTION)
     plan_sub = p.add_subparsers(dest="plan_command", metavar="ACTION", required=True)
 
     c = plan_sub.add_parser("calibrate", help="fit link latency/bandwidth to all-reduce times")
@@ -46,24 +55,44 @@ def register(sub) -> None:
     v.add_argument("--overlap", default="auto",
                    help="fraction of backward that hides communication (auto: 0 when the "
                         "ranks use every core, else 1)")
-    v.add_argument("--out", default=None, help="also write the results as JSON here")
+    v.add_argument("--out", default=None,
+                   help="also write the results as JSON here (default: none)")
     v.set_defaults(func=run_validate)
 
-    j = plan_sub.add_parser("project", help="step time and scaling efficiency at scale")
+    j = plan_sub.add_parser(
+        "project", help="step time and scaling efficiency at scale",
+        description="Predict the step time and weak-scaling efficiency of torch-DDP-style "
+                    "training at 1-1024 GPUs and write plan.csv and plan.png.")
     j.add_argument("--params", type=float, default=1e9, help="model parameters")
+    j.add_argument("--param-tensors", type=int, default=None, metavar="K",
+                   help="gradient tensors (DDP's per-tensor cost; buckets hold equal tensors) "
+                        "(default: 4 per --layers block)")
+    j.add_argument("--step-ms", type=float, default=None, metavar="MS",
+                   help="your measured step of the plain model on one device, no DDP "
+                        "(default: estimated from --tokens-per-gpu, --peak-tflops, --mfu)")
     j.add_argument("--grad-bytes", type=int, default=4, help="bytes per gradient element")
-    j.add_argument("--layers", type=int, default=24, help="transformer blocks (bucket layout)")
+    j.add_argument("--layers", type=int, default=24,
+                   help="transformer blocks (bucket layout when --param-tensors is not given)")
     j.add_argument("--tokens-per-gpu", type=int, default=16384, help="tokens per GPU per step")
-    j.add_argument("--peak-tflops", type=float, default=989.0,
-                   help="GPU peak TFLOP/s (default: H100 SXM dense BF16)")
+    j.add_argument("--device", default="h100",
+                   help=f"GPU preset: {', '.join(DEVICES)} (peak FLOP/s, memory bandwidth)")
+    j.add_argument("--peak-tflops", type=float, default=None,
+                   help="GPU peak TFLOP/s (default: the --device's)")
     j.add_argument("--mfu", type=float, default=0.4, help="achieved fraction of peak")
+    j.add_argument("--spread", type=float, default=None,
+                   help="relative spread of the step time between devices (default: the "
+                        "--device's, 0.025)")
     j.add_argument("--gpus", default="1:1024", help="MIN:MAX GPUs (powers of two) or a list")
-    j.add_argument("--gpus-per-node", type=int, default=8)
-    j.add_argument("--intra", default="nvlink4", help="intra-node link preset")
+    j.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node")
+    j.add_argument("--nics-per-node", type=int, default=None, metavar="N",
+                   help="inter-node NICs per node (default: one per GPU)")
+    j.add_argument("--intra", default="nvlink4",
+                   help=f"intra-node link preset: {', '.join(PRESETS)}")
     j.add_argument("--inter", default="ib-ndr", help="inter-node link preset (per NIC)")
     j.add_argument("--calibration", default=None,
-                   help="use a fitted link (calibration JSON) for both intra and inter")
-    j.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap")
+                   help="use a fitted link (a `plan calibrate` file) for both intra and inter "
+                        "(default: the presets)")
+    j.add_argument("--bucket-mb", type=float, default=25.0, help="bucket cap in MiB")
     j.add_argument("--overlap", type=float, default=1.0, help="backward/comm overlap, 0..1")
     j.add_argument("--algo", default="ring,tree,hierarchical", help="algorithms to compare")
     j.add_argument("--out-dir", default=None, help="where plan.csv/plan.png go "
@@ -194,36 +223,68 @@ def _gpu_counts(text: str) -> list[int]:
     return list(_int_list(text, "--gpus"))
 
 
+def _check_project_args(args) -> None:
+    """Every value checked before anything is computed, each error naming the option,
+    the value and what is allowed."""
+    positive = {"--params": args.params, "--grad-bytes": args.grad_bytes,
+                "--layers": args.layers, "--tokens-per-gpu": args.tokens_per_gpu,
+                "--gpus-per-node": args.gpus_per_node, "--bucket-mb": args.bucket_mb,
+                "--param-tensors": args.param_tensors, "--step-ms": args.step_ms,
+                "--peak-tflops": args.peak_tflops, "--nics-per-node": args.nics_per_node}
+    for option, value in positive.items():
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{option} must be a positive number, got {value:g}")
+    if not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu must be in (0, 1] (a fraction of peak), got {args.mfu:g}")
+    if not 0 <= args.overlap <= 1:
+        raise ConfigError(f"--overlap must be in [0, 1], got {args.overlap:g}")
+    if args.spread is not None and not 0 <= args.spread < 1:
+        raise ConfigError(f"--spread must be in [0, 1) (e.g. 0.025 for 2.5%), "
+                          f"got {args.spread:g}")
+    if args.device not in DEVICES:
+        raise ConfigError(f"--device {args.device!r} is not one of {', '.join(DEVICES)}")
+    for option in ("--intra", "--inter"):
+        name = getattr(args, option[2:])
+        if name not in PRESETS:
+            raise ConfigError(f"{option} {name!r} is not one of {', '.join(PRESETS)}")
+
+
 def run_project(args) -> int:
+    import dataclasses
     import os
 
     from ddpkit.plan import project
     from ddpkit.plan.model import ALGOS, link
 
+    _check_project_args(args)
     algos = [a.strip() for a in args.algo.split(",") if a.strip()]
     for algo in algos:
         if algo not in ALGOS:
             raise ConfigError(f"--algo {algo!r} is not one of {', '.join(ALGOS)}")
+    gpu_counts = _gpu_counts(args.gpus)
     if args.calibration:
         intra = inter = _load_calibration(args.calibration).link()
     else:
         intra, inter = link(args.intra), link(args.inter)
-    if not 0 <= args.overlap <= 1:
-        raise ConfigError(f"--overlap must be in [0, 1], got {args.overlap}")
-    if args.gpus_per_node < 1:
-        raise ConfigError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
-    workload = project.Workload(params=args.params, grad_bytes=args.grad_bytes,
-                                layers=args.layers, tokens_per_gpu=args.tokens_per_gpu,
-                                peak_flops=args.peak_tflops * 1e12, mfu=args.mfu,
-                                bucket_cap_mb=args.bucket_mb)
-    rows = project.project(workload, _gpu_counts(args.gpus), args.gpus_per_node, intra, inter,
-                           algos, args.overlap)
-    print(project.format_table(rows, workload, intra, inter, args.gpus_per_node, args.overlap))
+    device = DEVICES[args.device]
+    if args.spread is not None:
+        device = dataclasses.replace(device, spread=args.spread)
+    workload = project.Workload(
+        params=args.params, grad_bytes=args.grad_bytes, layers=args.layers,
+        tokens_per_gpu=args.tokens_per_gpu, device=device,
+        peak_flops=args.peak_tflops * 1e12 if args.peak_tflops else None, mfu=args.mfu,
+        step_s=args.step_ms / 1e3 if args.step_ms else None,
+        param_tensors=args.param_tensors, bucket_cap_mb=args.bucket_mb)
+    rows = project.project(workload, gpu_counts, args.gpus_per_node, intra, inter,
+                           algos, args.overlap, args.nics_per_node)
+    print(project.format_table(rows, workload, intra, inter, args.gpus_per_node, args.overlap,
+                               args.nics_per_node))
     out_dir = Path(args.out_dir or f"runs/plan-{time.strftime('%Y%m%d-%H%M%S')}")
     csv_path, png_path = out_dir / "plan.csv", out_dir / "plan.png"
     taken = [p for p in (csv_path, png_path) if p.exists()]
     if taken:
-        raise ConfigError(f"{taken[0]} already exists; pass another --out-dir")
+        raise ConfigError(f"--out-dir {out_dir}: {taken[0].name} already exists there; pass "
+                          "another --out-dir")
     os.makedirs(out_dir, exist_ok=True)
     with csv_path.open("w") as f:
         f.write("gpus,nodes,algo,allreduce_s,exposed_comm_s,step_s,compute_s,efficiency\n")
@@ -233,11 +294,12 @@ def run_project(args) -> int:
                     f"{p.step_s:.6g},{p.compute_s:.6g},{p.efficiency:.6g}\n")
     written = [str(csv_path)]
     if not args.no_plot:
-        title = (f"{args.params / 1e9:g} B params, {args.tokens_per_gpu} tokens/GPU, "
+        compute = ("measured step" if args.step_ms else f"{args.tokens_per_gpu} tokens/GPU")
+        title = (f"{args.params / 1e9:g} B params, {compute}, "
                  f"{intra.name} x {args.gpus_per_node} per node + {inter.name}, "
                  f"overlap {args.overlap:g} (ddpkit plan)")
-        serial = project.project(workload, _gpu_counts(args.gpus), args.gpus_per_node, intra,
-                                 inter, algos, 0.0) if args.overlap > 0 else ()
+        serial = project.project(workload, gpu_counts, args.gpus_per_node, intra, inter,
+                                 algos, 0.0, args.nics_per_node) if args.overlap > 0 else ()
         project.plot(rows, str(png_path), title, serial)
         written.append(str(png_path))
     print(f"# wrote {', '.join(written)}")

@@ -16,10 +16,22 @@ import sys
 
 from ddpkit.slurm import DEFAULT_RESTARTS, LAUNCHERS, SlurmJob, write
 
+DESCRIPTION = """\
+Write an sbatch script that runs a ddpkit job on N nodes x G GPUs, then submit it:
+
+    ddpkit slurm --nodes 4 --gpus-per-node 8 --time 12:00:00 -- train --epochs 90
+    sbatch ddpkit.sbatch
+
+--launcher srun (default): one task per GPU; every worker reads its rank from SLURM.
+--launcher torchrun: one task per node running torchrun's agent (ddpkit launch), c10d
+rendezvous on the first node, --max-restarts per node. Both requeue the job when it is
+preempted or near its time limit (docs/multinode.md says when to choose which).
+"""
+
 
 def register(sub) -> None:
     p = sub.add_parser("slurm", help="write an sbatch script for an N-node job (requeues)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=DESCRIPTION)
     p.add_argument("--nodes", type=int, required=True, help="nodes to allocate (N)")
     p.add_argument("--gpus-per-node", type=int, required=True,
                    help="GPUs per node (G); one task per GPU. 0 for CPU nodes")
@@ -31,11 +43,15 @@ def register(sub) -> None:
     p.add_argument("--max-restarts", type=int, default=None, metavar="K",
                    help=f"--launcher torchrun: restart a node's workers up to K times "
                         f"(default: {DEFAULT_RESTARTS})")
-    p.add_argument("--time", default=None, help="time limit, e.g. 12:00:00 or 1-00:00:00")
-    p.add_argument("--partition", default=None, help="SLURM partition")
-    p.add_argument("--account", default=None, help="SLURM account to charge")
+    p.add_argument("--time", default=None, help="time limit, e.g. 12:00:00 or 1-00:00:00 "
+                   "(default: the partition's)")
+    p.add_argument("--partition", default=None,
+                   help="SLURM partition (default: the cluster's default partition)")
+    p.add_argument("--account", default=None,
+                   help="SLURM account to charge (default: your default account)")
     p.add_argument("--job-name", default="ddpkit", help="job name (default: ddpkit)")
-    p.add_argument("--cpus-per-task", type=int, default=None, help="CPU cores per task")
+    p.add_argument("--cpus-per-task", type=int, default=None,
+                   help="CPU cores per task (default: SLURM's)")
     p.add_argument("--log", default="%x-%j.out",
                    help="sbatch --output pattern (default: %%x-%%j.out)")
     p.add_argument("--signal-lead", type=int, default=120, metavar="SECONDS",

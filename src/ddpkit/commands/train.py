@@ -31,10 +31,23 @@ from ddpkit.train.options import add_run_options, add_train_options, config_from
 
 WORKER_MODULE = "ddpkit.train.worker"
 
+DESCRIPTION = """\
+Train a model with synchronous data-parallel SGD on sharded data. Run plainly, it starts
+N local processes (one per GPU, or 2 on CPU) under torchrun's elastic agent; started by
+a launcher (torchrun, srun, mpirun) it is one of the workers. Options, the config file,
+the data and a run to resume are checked before any process starts.
+
+Results go to a new directory under --out-dir: metrics.jsonl, summary.json, curves.png,
+the final weights in model.pt and checkpoints/ (one per epoch, more with
+--checkpoint-every-steps or --checkpoint-every-seconds). --resume [RUN_DIR] continues a
+run; with --max-restarts K, workers that die are restarted from the last checkpoint.
+SIGTERM or SIGUSR1 stop every rank at the next step with a checkpoint (exit status 75).
+"""
+
 
 def register(sub) -> None:
     p = sub.add_parser("train", help="train a model on N processes (synchronous data-parallel SGD)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=DESCRIPTION)
     add_train_options(p)
     add_run_options(p)
     add_launch_options(p)

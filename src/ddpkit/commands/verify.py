@@ -13,17 +13,30 @@ import tempfile
 from pathlib import Path
 
 from ddpkit.commands.launch import add_launch_options, options_from_args
-from ddpkit.train.options import add_train_options, add_verify_options, config_from_args
+from ddpkit.train.options import (
+    NOT_FOR_VERIFY,
+    add_train_options,
+    add_verify_options,
+    config_from_args,
+)
 
 WORKER_MODULE = "ddpkit.train.verify"
+
+DESCRIPTION = """\
+Do W processes train exactly like one? Takes --steps training steps on W ranks (launched
+like ddpkit train, with the same training options), replays the same global batches in
+one plain PyTorch process from the same initial weights, and prints the largest
+parameter difference and PASS or FAIL against a tolerance that scales with the dtype's
+epsilon. Exit status 0 on PASS, 1 on FAIL.
+"""
 
 
 def register(sub) -> None:
     p = sub.add_parser("verify", help="check W processes train exactly like 1 process",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_train_options(p)
+                       description=DESCRIPTION)
+    add_train_options(p, exclude=NOT_FOR_VERIFY)
     add_verify_options(p)
-    add_launch_options(p)
+    add_launch_options(p, restarts=False)
     p.set_defaults(func=run)
 
 

@@ -22,10 +22,23 @@ inter-node one.
 A data-parallel step with gradient buckets (torch DDP's design): buckets are filled in
 reverse parameter order during backward; a bucket's all-reduce starts when its last
 gradient is ready *and* the previous bucket's all-reduce is done (one communication
-stream, reduced in order). ``overlap`` in [0, 1] says how much of backward can hide
-communication: 1 on GPUs (copy engines and NCCL kernels run beside compute), 0 when
-communication needs the same CPU cores as compute (CPU training with one process per
-core, as on this 2-core machine).
+stream, reduced in order), so the last bucket, ready only when backward ends, is never
+hidden. ``overlap`` in [0, 1] says how much of backward can hide communication: 1 on GPUs
+(NCCL kernels run beside compute), 0 when communication needs the same CPU cores as
+compute (CPU training with one process per core, as on a 2-core machine).
+
+Two costs come on top of computing and communicating:
+
+* DDP's own work per step (:func:`ddp_overhead_s`): for every gradient tensor an
+  autograd hook and the dispatch of its copy into the bucket and back, and the passes
+  over the gradients' memory those copies and the 1/W scaling make. Both constants are
+  measured on a process group of one, where nothing is communicated
+  (``benchmarks/ddp_overhead.py``); the per-tensor cost is host time, the same on a GPU
+  machine, the memory passes are paid at the device's memory bandwidth.
+* Synchronisation (:func:`slowest_of`): every step waits for the slowest of the ``p``
+  devices, and same-model devices differ in speed (power management, manufacturing).
+  With a relative spread ``s`` of the step time between devices, the expected slowest
+  of ``p`` takes ``1 + s * E[max of p standard normals]`` times the single-device step.
 """
 
 from __future__ import annotations
@@ -59,6 +72,10 @@ class Link:
 # Link parameters assumed for projections (peak figures from vendor datasheets; the
 # latency is the per-hop software + wire figure NCCL-class libraries reach, an assumption).
 PRESETS: dict[str, Link] = {
+    # NVLink 2 (V100 SXM2, DGX-1): 6 links x 25 GB/s each way = 150 GB/s per GPU each way
+    # (NVIDIA Tesla V100 datasheet: 300 GB/s bidirectional). In the DGX-1's hybrid cube
+    # mesh fewer GPUs share fewer links; with 8 GPUs NCCL's rings use all six.
+    "nvlink2": Link("nvlink2", 2e-6, 150e9),
     # NVLink 4 (H100 SXM): 900 GB/s bidirectional per GPU = 450 GB/s each way.
     "nvlink4": Link("nvlink4", 2e-6, 450e9),
     # NVLink 3 (A100 SXM): 600 GB/s bidirectional per GPU = 300 GB/s each way.
@@ -69,6 +86,8 @@ PRESETS: dict[str, Link] = {
     "ib-ndr": Link("ib-ndr", 5e-6, 50e9),
     # InfiniBand HDR (ConnectX-6): 200 Gb/s = 25 GB/s per NIC each way.
     "ib-hdr": Link("ib-hdr", 5e-6, 25e9),
+    # InfiniBand EDR (ConnectX-4/5, e.g. the DGX-1's four NICs): 100 Gb/s = 12.5 GB/s.
+    "ib-edr": Link("ib-edr", 5e-6, 12.5e9),
     # 100 Gb Ethernet with TCP: 12.5 GB/s, tens of microseconds per message.
     "eth-100g": Link("eth-100g", 30e-6, 12.5e9),
 }
@@ -81,6 +100,83 @@ def link(name_or_link: str | Link) -> Link:
         return PRESETS[name_or_link]
     except KeyError:
         raise ConfigError(f"unknown link {name_or_link!r}; known: {', '.join(PRESETS)}") from None
+
+
+# Spread of one step's time between devices of the same model in one job (relative
+# standard deviation). Not measurable on a CPU-only machine: an assumption of the order
+# Sinha et al. report ("Not All GPUs Are Created Equal", SC'22: 8% average performance
+# variation between same-SKU V100s of a cluster, from power management and
+# manufacturing), read as the range of a job's few devices around its median.
+GPU_STEP_SPREAD = 0.025
+
+
+@dataclass(frozen=True)
+class Device:
+    """An accelerator as the step model needs it (datasheet figures)."""
+
+    name: str
+    peak_flops: float  # dense BF16/FP16 tensor FLOP/s, for the FLOPs x MFU compute estimate
+    memory_Bps: float  # memory bandwidth: the optimizer and DDP's gradient copies
+    spread: float = GPU_STEP_SPREAD  # see GPU_STEP_SPREAD
+
+    def __post_init__(self) -> None:
+        if self.peak_flops <= 0 or self.memory_Bps <= 0 or not 0 <= self.spread < 1:
+            raise ConfigError(f"device {self.name}: need peak FLOP/s > 0, memory bandwidth "
+                              f"> 0 and a spread in [0, 1)")
+
+
+DEVICES: dict[str, Device] = {
+    # Tesla V100 SXM2 datasheet: 125 TFLOP/s tensor (FP16), 900 GB/s HBM2.
+    "v100": Device("v100", 125e12, 900e9),
+    # A100 SXM 80 GB datasheet: 312 TFLOP/s dense BF16, 2,039 GB/s HBM2e.
+    "a100": Device("a100", 312e12, 2039e9),
+    # H100 SXM datasheet: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3.
+    "h100": Device("h100", 989e12, 3.35e12),
+}
+
+
+def device(name: str) -> Device:
+    try:
+        return DEVICES[name]
+    except KeyError:
+        raise ConfigError(f"unknown device {name!r}; known: {', '.join(DEVICES)}") from None
+
+
+# torch DDP's own cost per step, measured on one gloo rank where nothing is communicated
+# (benchmarks/ddp_overhead.py, torch 2.13, 1 thread; figures and date in
+# benchmarks/RESULTS.md, "Cost model"): host time per gradient tensor (its autograd hook
+# and the dispatch of its copies), and the passes over the gradients' memory its copies
+# and the 1/W scaling make (a read or a write of every gradient byte counts one).
+DDP_PER_TENSOR_S = 18e-6
+DDP_MEMORY_PASSES = 4.2
+
+
+def ddp_overhead_s(tensors: int, grad_bytes: float, memory_Bps: float) -> float:
+    """Seconds torch DDP adds to every step, on one device or many."""
+    if tensors < 0:
+        raise ConfigError(f"parameter tensors must be >= 0, got {tensors}")
+    return tensors * DDP_PER_TENSOR_S + DDP_MEMORY_PASSES * grad_bytes / memory_Bps
+
+
+def expected_max_normal(p: int) -> float:
+    """E[max of p independent standard normal samples] (0 for p = 1), by quadrature of
+    ``p x phi(x) Phi(x)^(p-1)``."""
+    if p < 1:
+        raise ConfigError(f"need at least one device, got {p}")
+    if p == 1:
+        return 0.0
+    step, total = 1e-3, 0.0
+    for i in range(-8000, 8001):
+        x = i * step
+        pdf = math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+        cdf = 0.5 * (1 + math.erf(x / math.sqrt(2)))
+        total += x * p * pdf * cdf ** (p - 1) * step
+    return total
+
+
+def slowest_of(p: int, spread: float) -> float:
+    """Expected step time of the slowest of ``p`` devices, relative to one device."""
+    return 1.0 + spread * expected_max_normal(p)
 
 
 @dataclass(frozen=True)
@@ -175,6 +271,16 @@ def bucket_sizes(param_bytes: Sequence[int], cap_bytes: float,
 BLOCK_TENSORS = (3, 1, 4, 4)
 
 
+def equal_param_bytes(total_bytes: float, tensors: int) -> list[int]:
+    """``tensors`` gradient tensors of equal size holding ``total_bytes``: the layout when
+    only the count is known (``--param-tensors``)."""
+    if tensors < 1:
+        raise ConfigError(f"parameter tensors must be >= 1, got {tensors}")
+    sizes = [int(total_bytes // tensors)] * tensors
+    sizes[-1] += int(total_bytes) - sum(sizes)
+    return sizes
+
+
 def transformer_param_bytes(total_bytes: float, layers: int) -> list[int]:
     """Gradient tensor sizes of ``layers`` equal transformer blocks holding ``total_bytes``:
     bucket boundaries fall between tensors (DDP never splits one)."""
@@ -214,15 +320,23 @@ class StepPrediction:
 
 
 def predict_step(step: StepModel, buckets: Sequence[float],
-                 allreduce: callable, overlap: float = 1.0) -> StepPrediction:
+                 allreduce: callable, overlap: float = 1.0, *,
+                 overhead_s: float = 0.0, slowdown: float = 1.0) -> StepPrediction:
     """Step time with buckets reduced in order on one stream during backward.
 
     ``allreduce(nbytes) -> seconds``. Gradients are assumed to appear at a constant rate
     in bytes through backward (true for stacks of dense layers). ``overlap`` scales how
-    much of backward is available to hide communication.
+    much of backward is available to hide communication. ``slowdown`` stretches forward
+    and backward (the slowest of the devices sets the pace, :func:`slowest_of`);
+    ``overhead_s`` (DDP's own work, :func:`ddp_overhead_s`) follows the last bucket:
+    its copies out of the buckets wait for the reduced values.
     """
     if not 0.0 <= overlap <= 1.0:
         raise ConfigError(f"overlap must be in [0, 1], got {overlap}")
+    if slowdown < 1.0 or overhead_s < 0:
+        raise ConfigError(f"need slowdown >= 1 and overhead >= 0, got {slowdown}, {overhead_s}")
+    compute_s = step.compute_s
+    step = StepModel(step.forward_s * slowdown, step.backward_s * slowdown, step.optimizer_s)
     total = sum(buckets)
     comm = [allreduce(b) for b in buckets]
     # With partial overlap, backward "lends" only overlap * its time to communication:
@@ -236,8 +350,8 @@ def predict_step(step: StepModel, buckets: Sequence[float],
         done = max(done, ready) + seconds
     backward_end = step.forward_s + step.backward_s
     sync_end = max(backward_end, done)
-    step_s = sync_end + step.optimizer_s
-    return StepPrediction(step_s=step_s, compute_s=step.compute_s, comm_s=sum(comm),
+    step_s = sync_end + overhead_s + step.optimizer_s
+    return StepPrediction(step_s=step_s, compute_s=compute_s, comm_s=sum(comm),
                           exposed_comm_s=sync_end - backward_end, buckets=tuple(buckets))
 
 

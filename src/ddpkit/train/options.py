@@ -20,11 +20,23 @@ from ddpkit.train.resume import LATEST, read_run_config
 _SCALARS = {"int": int, "float": float, "str": str}
 
 
+def _default_text(f: dataclasses.Field) -> str:
+    factory = f.default_factory
+    value = factory() if factory is not dataclasses.MISSING else f.default
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    return "none" if value is None else str(value)
+
+
 def _add_field_flag(group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
     meta = f.metadata
-    kwargs = dict(meta["argparse"], dest=flag_dest(meta["flag"]), default=None,
-                  help=meta["help"])
+    text = meta["help"]
     kind = f.type if isinstance(f.type, str) else str(f.type)
+    if "default" not in text and not kind.startswith("bool"):
+        # The flag itself defaults to None ("not given": precedence needs it), so the
+        # help says the field's default.
+        text = f"{text} (default: {_default_text(f)})"
+    kwargs = dict(meta["argparse"], dest=flag_dest(meta["flag"]), default=None, help=text)
     if kind.startswith("bool"):
         # The flag turns the default over: --no-progress stores False.
         kwargs.update(action="store_const", const=not f.default)
@@ -35,19 +47,27 @@ def _add_field_flag(group: argparse._ArgumentGroup, f: dataclasses.Field) -> Non
     group.add_argument(meta["flag"], **kwargs)
 
 
-def _add_flags(p: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+def _add_flags(p: argparse.ArgumentParser, title: str,
+               exclude: tuple[str, ...] = ()) -> argparse._ArgumentGroup:
     g = p.add_argument_group(title)
     for _section, f in flag_fields():
-        if f.metadata["group"] == title:
+        if f.metadata["group"] == title and f.metadata["flag"] not in exclude:
             _add_field_flag(g, f)
     return g
 
 
-def add_train_options(p: argparse.ArgumentParser) -> None:
-    """What shapes the training: data, model, optimizer, epochs, engine, output."""
-    g = _add_flags(p, TRAINING)
+# What `ddpkit verify` does not use: it takes --steps steps, writes no run directory and
+# draws no progress.
+NOT_FOR_VERIFY = ("--epochs", "--out-dir", "--no-progress")
+
+
+def add_train_options(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """What shapes the training: data, model, optimizer, epochs, engine, output (less the
+    flags in ``exclude``)."""
+    g = _add_flags(p, TRAINING, exclude)
     g.add_argument("--config", metavar="FILE.toml", default=None,
-                   help="TOML file with [data] [model] [optim] [train] tables")
+                   help="TOML file with [data] [model] [optim] [train] tables "
+                        "(default: none)")
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
@@ -56,17 +76,20 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", nargs="?", const=LATEST, default=None, metavar="RUN_DIR",
                    help="continue RUN_DIR from its newest good checkpoint, with its own "
                         "settings (options given here override them); without RUN_DIR: "
-                        "the most recently checkpointed run under --out-dir")
+                        "the most recently checkpointed run under --out-dir (default: start "
+                        "a new run)")
     g.add_argument("--run-dir", default=None, metavar="DIR",
                    help="write this run into DIR (new or empty) instead of a new directory "
-                        "under --out-dir; multi-node runs with --max-restarts need it")
+                        "under --out-dir; multi-node runs with --max-restarts need it "
+                        "(default: a new directory under --out-dir)")
 
 
 def add_verify_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("verify")
     g.add_argument("--steps", type=int, default=10, help="training steps to compare (default: 10)")
     g.add_argument("--dtype", choices=("float32", "float64"), default="float32",
-                   help="parameter dtype; the tolerance scales with its epsilon")
+                   help="parameter dtype; the tolerance scales with its epsilon "
+                        "(default: float32)")
 
 
 def add_resolved_config(p: argparse.ArgumentParser) -> None:
