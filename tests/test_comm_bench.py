@@ -108,7 +108,8 @@ def test_cli_bad_input_is_one_line(tmp_path, monkeypatch, capsys, args, message)
     monkeypatch.chdir(tmp_path)
     assert cli_main(["bench", "collectives", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("ddpkit bench collectives: error: ") and message in err[0], err
+    assert len(err) == 1 and message in err[0], err
+    assert err[0].startswith("ddpkit bench collectives: error: "), err
     assert not os.path.exists(tmp_path / "runs")  # nothing written on a refusal
 
 

@@ -35,18 +35,32 @@ def test_console_on_a_terminal_redraws_one_status_line_below_the_output():
     assert err.getvalue().endswith("\r\x1b[K")
 
 
-def test_console_off_a_terminal_prints_plain_lines_at_its_interval():
+def test_console_off_a_terminal_prints_a_line_per_n_steps_with_a_real_eta():
     err = io.StringIO()
-    console = Console(stdout=io.StringIO(), stderr=err, tty=False, interval=10)
-    for t in (0.0, 4.0, 9.0, 10.5, 12.0, 21.0):
+    console = Console(stdout=io.StringIO(), stderr=err, tty=False, every_steps=10)
+    for t in (0.0, 4.0, 9.0, 10.5, 12.0, 21.0, 25.0, 30.0):  # one step per second
         console.show({"step": int(t), "total_steps": 30, "epoch": 1, "epochs": 1,
                       "samples_per_s": 100.0, "loss": 1.0}, now=t)
     lines = err.getvalue().splitlines()
     assert [line.split(" | ")[1] for line in lines] == [
-        "step 0/30 (0%)", "step 10/30 (33%)", "step 21/30 (70%)"]
-    assert all(line.startswith("progress: epoch 1/1") for line in lines)
-    assert "\r" not in err.getvalue()
-    assert describe({"step": 3}, None) == "step 3 | ETA ?"
+        "step 10/30 (33%)", "step 21/30 (70%)", "step 30/30 (100%)"]
+    # 10 steps took 10.5 s: 20 more take 21 s
+    assert [line.split(" | ")[-1] for line in lines] == ["ETA 21s", "ETA 9s", "ETA 0s"]
+    assert all(line.startswith("progress: epoch 1/1") and "samples/s" in line
+               for line in lines)
+    assert "\r" not in err.getvalue() and "ETA ?" not in err.getvalue()
+
+
+def test_plain_lines_default_to_a_tenth_of_the_run_and_prefer_rank_0s_eta():
+    err = io.StringIO()
+    console = Console(stdout=io.StringIO(), stderr=err, tty=False)
+    console.every_steps = 0  # whatever the environment says
+    for step in range(0, 101, 5):
+        console.show({"step": step, "total_steps": 100, "eta_s": 100.0 - step}, now=step)
+    lines = err.getvalue().splitlines()
+    assert len(lines) == 10 and lines[0].startswith("progress: step 10/100")
+    assert lines[0].endswith("ETA 1m30s") and lines[-1].endswith("ETA 0s")
+    assert describe({"step": 3}, None) == "step 3 | ETA ?"  # a terminal's first redraw
 
 
 def _train(tmp_path, *argv, **env):
@@ -62,7 +76,7 @@ def test_train_users_factories_with_progress_lines_when_not_a_terminal(tmp_path)
     proc = _train(tmp_path, "--model", "user_recipe:make_model", "--data",
                   "user_recipe:make_data", "--epochs", "4", "--batch-size", "32",
                   "--optimizer", "adamw", "--lr", "0.01", "--lr-schedule", "cosine",
-                  DDPKIT_PROGRESS_INTERVAL="0")
+                  DDPKIT_PROGRESS_EVERY_STEPS="4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run,) = tmp_path.iterdir()
     assert run.name.endswith("-make_data-make_model-w2")
@@ -71,7 +85,10 @@ def test_train_users_factories_with_progress_lines_when_not_a_terminal(tmp_path)
     progress = [line for line in proc.stderr.splitlines() if line.startswith("progress: ")]
     assert progress, proc.stderr[-3000:]
     assert re.fullmatch(r"progress: epoch 4/4 \| step 32/32 \(100%\) \| [\d,]+ samples/s \| "
-                        r"loss \d+\.\d{4} \| ETA \S+", progress[-1]), progress[-1]
+                        r"loss \d+\.\d{4} \| ETA 0s", progress[-1]), progress[-1]
+    assert all(re.search(r"\| ETA \d+(s|m\d\ds)$", line) for line in progress), progress
+    steps = [int(re.search(r"step (\d+)/", line).group(1)) for line in progress]
+    assert steps == sorted(steps) and all(b - a >= 4 for a, b in zip(steps, steps[1:])), steps
     assert "\r" not in proc.stderr
 
 

@@ -1,12 +1,13 @@
 """ddpkit: distributed data-parallel training on PyTorch.
 
-Public API (stable names): World, init, shutdown, distributed, spawn, and, as they
-land, DataParallel, join, Checkpointer, Run (your own loop with resume, preemption
-and hang detection) and the comm/data subpackages.
+Public API (stable names): World, init, shutdown, distributed, spawn, DataParallel,
+join, Checkpointer, Run (your own loop with resume, preemption and hang detection), and
+the subpackages comm, data, parallel, checkpoint, fault, loop and plan.
 
 The names that need torch are imported on first use (PEP 562 ``__getattr__``):
 ``import ddpkit`` and the ``ddpkit`` command's launcher then start without importing
-torch, which costs more than a second; ``ddpkit.DataParallel`` etc. work as before.
+torch, which costs more than a second; ``ddpkit.DataParallel``, ``ddpkit.fault`` etc.
+are there when a program first uses them.
 """
 
 from __future__ import annotations
@@ -41,10 +42,10 @@ _LAZY = {
     "init": "ddpkit.runtime",
     "shutdown": "ddpkit.runtime",
 }
-_SUBPACKAGES = ("comm", "data")
+_SUBPACKAGES = ("checkpoint", "comm", "data", "fault", "loop", "parallel", "plan")
 
 if TYPE_CHECKING:
-    from ddpkit import comm, data
+    from ddpkit import checkpoint, comm, data, fault, loop, parallel, plan
     from ddpkit.checkpoint import Checkpointer
     from ddpkit.loop import Run
     from ddpkit.parallel import DataParallel, join
@@ -76,11 +77,16 @@ __all__ = [
     "SpawnError",
     "Topology",
     "World",
+    "checkpoint",
     "comm",
     "data",
     "distributed",
+    "fault",
     "init",
     "join",
+    "loop",
+    "parallel",
+    "plan",
     "shutdown",
     "spawn",
 ]

@@ -7,8 +7,9 @@ appends small JSON records to the file named by :data:`PROGRESS_ENV` (see
 
 * stderr is a terminal: one status line at the bottom, redrawn in place (``\\r``); a
   worker's output line first clears it, is printed, and the status comes back under it;
-* otherwise: a plain line every :data:`INTERVAL_ENV` seconds (default 10), so logs and
-  CI output get progress without carriage-return clutter.
+* otherwise: a plain line every :data:`EVERY_STEPS_ENV` steps (default: a tenth of the
+  run), each with samples/s and the time left, so logs and CI output get progress
+  without carriage-return clutter.
 
 Nothing here imports torch.
 """
@@ -24,7 +25,8 @@ import time
 from typing import Any, TextIO
 
 PROGRESS_ENV = "DDPKIT_PROGRESS_FILE"  # where rank 0 appends its progress records
-INTERVAL_ENV = "DDPKIT_PROGRESS_INTERVAL"  # seconds between plain lines (not a terminal)
+EVERY_STEPS_ENV = "DDPKIT_PROGRESS_EVERY_STEPS"  # steps between plain lines (not a terminal)
+PLAIN_LINES = 10  # plain lines per run when EVERY_STEPS_ENV is not set
 
 
 def _duration(seconds: float) -> str:
@@ -41,7 +43,8 @@ def _duration(seconds: float) -> str:
 
 
 def describe(record: dict[str, Any], eta: float | None) -> str:
-    """``epoch 3/20 | step 36/240 (15%) | 8,123 samples/s | loss 0.4123 | ETA 12s``."""
+    """``epoch 3/20 | step 36/240 (15%) | 8,123 samples/s | loss 0.4123 | ETA 12s``
+    (``ETA ?`` only on a terminal's first redraw, before any step has been timed)."""
     parts = []
     if record.get("epochs"):
         parts.append(f"epoch {record.get('epoch', '?')}/{record['epochs']}")
@@ -69,23 +72,23 @@ class Console:
 
     def __init__(self, progress_file: str | None = None, *, stdout: TextIO | None = None,
                  stderr: TextIO | None = None, tty: bool | None = None,
-                 interval: float | None = None):
+                 every_steps: int | None = None):
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
         self.tty = self.stderr.isatty() if tty is None else tty
-        if interval is None:
+        if every_steps is None:
             try:
-                interval = float(os.environ.get(INTERVAL_ENV, "10"))
+                every_steps = int(os.environ.get(EVERY_STEPS_ENV, "0"))
             except ValueError:
-                interval = 10.0
-        self.interval = interval
+                every_steps = 0
+        self.every_steps = every_steps  # 0: a tenth of the run's steps
         self.progress_file = progress_file
         self._lock = threading.RLock()
         self._status = ""  # the status line currently drawn (terminal only)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._first: tuple[float, int] | None = None  # (time, step) of the first record
-        self._last_plain = -math.inf
+        self._last_plain_step: int | None = None
         self.lines_printed = 0  # progress lines (plain) or redraws (terminal)
 
     # ----------------------------------------------------------------- output
@@ -153,11 +156,14 @@ class Console:
         step = int(record.get("step") or 0)
         if self._first is None or step < self._first[1]:  # first record, or a restart
             self._first = (now, step)
-        eta = None
-        t0, s0 = self._first
+            self._last_plain_step = None
         total = record.get("total_steps")
-        if total and step > s0:
-            eta = (int(total) - step) * (now - t0) / (step - s0)
+        eta = record.get("eta_s")  # rank 0's, from the whole run so far (evaluations too)
+        if not isinstance(eta, (int, float)):
+            eta = None
+            t0, s0 = self._first
+            if total and step > s0:
+                eta = (int(total) - step) * (now - t0) / (step - s0)
         text = describe(record, eta)
         with self._lock:
             if self.tty:
@@ -165,11 +171,19 @@ class Console:
                 self.stderr.write("\r\x1b[K" + self._status)
                 self.stderr.flush()
                 self.lines_printed += 1
-            elif now - self._last_plain >= self.interval:
-                self._last_plain = now
+            elif eta is not None and self._plain_line_due(step, total):
+                self._last_plain_step = step
                 self.stderr.write(f"progress: {text}\n")
                 self.stderr.flush()
                 self.lines_printed += 1
+
+    def _plain_line_due(self, step: int, total: Any) -> bool:
+        """Off a terminal: one line per ``every_steps`` steps, and the run's last step."""
+        every = self.every_steps or max(1, int(total or 0) // PLAIN_LINES)
+        last = self._last_plain_step
+        if last is None:
+            return step >= every or step == total
+        return step >= last + every or (step == total and last != step)
 
 
 def _width() -> int:

@@ -5,7 +5,9 @@ the launcher's pipes, so a bar drawn here would never be live. The launcher name
 file in ``DDPKIT_PROGRESS_FILE`` instead: :class:`FileBar` appends one small JSON record
 to it a few times a second (step, total steps, epoch, samples/s, the epoch's running
 loss) and the launcher draws it (``ddpkit.console``): a live status line on a terminal,
-a plain line now and then otherwise.
+a plain line every few steps otherwise. Each record carries the time left, estimated
+from the whole run so far (evaluations included), so the launcher's first line already
+has a real ETA.
 
 Under another launcher (plain torchrun, srun, mpirun) there is no such file: a tqdm bar
 on stderr, redrawn in place on a terminal and as a whole line every 10 s otherwise.
@@ -39,6 +41,9 @@ class FileBar:
     def __init__(self, path: str, trainer: Any, epoch: int):
         self.trainer, self.epoch = trainer, epoch
         self.start = self.last = time.perf_counter()
+        # The run's clock starts with its first bar: (time, step) the ETA is measured from.
+        if getattr(trainer, "_progress_clock", None) is None:
+            trainer._progress_clock = (self.start, trainer.loop.step)
         self.seen = 0
         try:
             self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
@@ -65,10 +70,14 @@ class FileBar:
         sums = getattr(t, "_sums", None)
         loss = sums.local().loss if sums is not None else float("nan")
         elapsed = now - self.start
-        record = {"step": t.loop.step, "total_steps": getattr(t, "total_steps", None),
+        total = getattr(t, "total_steps", None)
+        t0, s0 = t._progress_clock
+        eta = (total - t.loop.step) * (now - t0) / (t.loop.step - s0) if (
+            total and t.loop.step > s0) else None
+        record = {"step": t.loop.step, "total_steps": total,
                   "epoch": self.epoch + 1, "epochs": t.cfg.train.epochs,
                   "samples_per_s": self.seen / elapsed if elapsed > 0 else None,
-                  "loss": loss if math.isfinite(loss) else None}
+                  "loss": loss if math.isfinite(loss) else None, "eta_s": eta}
         try:
             self.file.write(json.dumps(record) + "\n")
         except OSError:
