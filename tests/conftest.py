@@ -65,6 +65,7 @@ LAYERS = {
     "test_verify.py": MULTIPROCESS,
     "test_comm_bench.py": E2E,
     "test_ddp_examples.py": E2E,
+    "test_docs.py": E2E,
     "test_env_cmd.py": E2E,
     "test_examples.py": E2E,
     "test_launch.py": E2E,

@@ -116,7 +116,7 @@ def test_file_rendezvous_needs_no_master_addr():
     assert w.rank == 1
 
 
-def test_too_few_gpus_is_seed_002_error():
+def test_too_few_gpus_is_one_clear_error():
     env = {
         "RANK": "0",
         "WORLD_SIZE": "8",
