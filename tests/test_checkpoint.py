@@ -253,6 +253,34 @@ def test_keep_one_never_leaves_zero_and_resave_replaces(tmp_path):
     assert manifest["format"] == "ddpkit-checkpoint/1" and manifest["bytes"] == info.size
 
 
+def test_every_file_appears_whole_by_rename_never_written_in_place(tmp_path, monkeypatch):
+    """Atomic write: the payload and the manifest (the commit point) are written under
+    hidden temporary names and renamed into place, so a reader or a crash never sees a
+    half-written file under a final name."""
+    from ddpkit.checkpoint import store
+
+    written, renamed = [], []
+    real_open, real_replace = open, os.replace
+
+    def recording_open(path, mode="r", *args, **kwargs):
+        if any(flag in mode for flag in "wax"):
+            written.append(os.path.basename(path))
+        return real_open(path, mode, *args, **kwargs)
+
+    def recording_replace(src, dst):
+        renamed.append((os.path.basename(src), os.path.basename(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(store, "open", recording_open, raising=False)
+    monkeypatch.setattr(store.os, "replace", recording_replace)
+    Checkpointer(tmp_path, keep=2).save(small_state(1.0), step=7)
+    finals = sorted(os.listdir(tmp_path))
+    assert finals == ["step_000000007.json", "step_000000007.pt"]
+    assert written and all(name.startswith(".") and ".tmp-" in name for name in written), written
+    assert sorted(dst for _, dst in renamed) == finals
+    assert all(src in written for src, _ in renamed)
+
+
 def test_keep_must_be_positive(tmp_path):
     with pytest.raises(CheckpointError, match="keep must be >= 1"):
         Checkpointer(tmp_path, keep=0)

@@ -157,10 +157,10 @@ def verdicts(rows: list[dict]) -> list[str]:
     big = [r["speedup_vs_gloo"] for r in rows
            if r["algo"] == "comm" and BIG <= r["bytes"] <= 32 << 20]
     if small:
-        out.append(f"target comm (issue 11): >= 20x gloo at <= 64K: worst {min(small):.2f}x "
+        out.append(f"target comm: >= 20x gloo at <= 64K: worst {min(small):.2f}x "
                    f"({'met' if min(small) >= 20 else 'not met'})")
     if big:
-        out.append(f"target comm (issue 11): >= 4x gloo at 4-32M: worst {min(big):.2f}x "
+        out.append(f"target comm: >= 4x gloo at 4-32M: worst {min(big):.2f}x "
                    f"({'met' if min(big) >= 4 else 'not met'})")
     costs = _ratios(by, "shm-signed", "shm-copy")
     if costs:
