@@ -326,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
             for step in q.steps:
                 print(f"    {shown(step.command(args.quick))}")
         return 0
-    page = open(args.page).read() if os.path.exists(args.page) else ""
+    page = ""
+    if os.path.exists(args.page):
+        with open(args.page) as fh:
+            page = fh.read()
     for q in chosen:
         page = replace_section(page, q.key, run_question(q, args.quick))
         with open(args.page, "w") as fh:  # after each question: a failure keeps the rest

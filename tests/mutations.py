@@ -99,7 +99,8 @@ MUTATIONS = (
 def plant(m: Mutation, src: str) -> bool:
     """Apply ``m`` to the copy of src/ at ``src``; False if its line is not there once."""
     path = os.path.join(src, m.path)
-    text = open(path).read()
+    with open(path) as fh:
+        text = fh.read()
     if text.count(m.old) != 1:
         return False
     with open(path, "w") as fh:

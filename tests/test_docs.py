@@ -22,7 +22,8 @@ on the rendered page):
     settings the check runs it with, e.g. ``<!-- run with: train --epochs 1 -->``.
 ``<!-- run on 2 ranks -->``
     python: the block runs under ``ddpkit launch --nproc-per-node 2``.
-``<!-- snippet: FILE -->``, ``<!-- before: ... -->``, ``<!-- diff: FILE -->``, ``<!-- commands: FILE -->``
+``<!-- snippet: FILE -->``, ``<!-- before: ... -->``, ``<!-- diff: FILE -->``,
+``<!-- commands: FILE -->``
     checked by tests/test_migrating.py against the example program it comes from.
 
 Blocks without a language, or in another (``text``, ``diff``), are output, diagrams or
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from conftest import ROOT
 
 RUN_LANGS = {"sh", "bash", "python", "toml"}
