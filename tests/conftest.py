@@ -110,6 +110,11 @@ SLOW = {
     "test_ddp_steady_state.py": {"test_default_comm_step_makes_no_backend_call[3]",
                                  "test_uneven_inputs_under_join_shm_equals_backend[3]"},
     "test_ddp_examples.py": {"test_basic_demo_on_ddpkit_engine_keeps_replicas_identical"},
+    # Pages whose blocks start ranks or run `ddpkit train`; pages without runnable blocks
+    # (and a new page, until it is listed here) stay in the fast set.
+    "test_docs.py": {f"test_page_runs[{page}]" for page in (
+        "README.md", "docs/checkpoints.md", "docs/collectives.md", "docs/ddp-engine.md",
+        "docs/multinode.md", "docs/own-loop.md", "docs/shm.md", "docs/training.md")},
     "test_env_cmd.py": {"test_version_prints_installed_version",
                         "test_env_reports_versions_backends_and_distributed_variables"},
     "test_examples.py": {"test_every_collective_under_launch_three_ranks",

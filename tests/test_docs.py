@@ -4,10 +4,11 @@ Every ```sh / ```bash / ```python / ```toml block of README.md and docs/*.md (ne
 are picked up by themselves) is checked, page by page, in a scratch directory where
 ``examples/``, ``benchmarks/`` and ``tests/`` of the repository are at hand:
 
-* sh, bash: each block runs in ``bash -euo pipefail`` (the page's blocks in order, so a
-  later block sees the files an earlier one wrote);
-* python: each block runs as a program; the page's one-process blocks share one
-  interpreter (each in fresh globals, as ``__main__``), which saves importing torch;
+* sh, bash: each block runs in ``bash -euo pipefail``, the page's blocks in order (a
+  later block sees the files an earlier one wrote), before its Python blocks;
+* python: each block runs as a program, in fresh globals as ``__main__``; the page's
+  one-process blocks share one interpreter and its 2-rank blocks one ``ddpkit launch``
+  (importing torch and starting ranks is most of the cost);
 * toml: read as a ``ddpkit train --config`` file (unknown keys and wrong types fail).
 
 The line right before a block's opening fence may say how (an HTML comment, invisible
@@ -149,7 +150,7 @@ def environment() -> dict[str, str]:
 
 DRIVER = """
 import runpy, sys, traceback
-for path in sys.argv[1:]:
+for path in list(sys.argv[1:]):
     sys.argv = [path]
     try:
         runpy.run_path(path, run_name="__main__")
@@ -177,7 +178,7 @@ def check_page(page: str, tmp_path: Path) -> list[str]:
     from ddpkit.train.config import Config, read_toml
 
     cwd = scratch(tmp_path)
-    skipped, one_process = [], []
+    skipped, one_process, two_ranks = [], [], []
     for n, b in enumerate(blocks(page)):
         if b.skipped:
             skipped.append(f"{b.where}: {b.skipped}")
@@ -195,13 +196,14 @@ def check_page(page: str, tmp_path: Path) -> list[str]:
             continue
         path = cwd / f"block_{n:02d}_line{b.line}.py"
         path.write_text(b.code)
-        if b.marker.startswith("run on 2 ranks"):
-            run([os.path.join(BIN, "ddpkit"), "launch", "--nproc-per-node", "2", str(path)],
-                cwd, b.where)
-        else:
-            one_process.append(str(path))
+        (two_ranks if b.marker.startswith("run on 2 ranks") else one_process).append(str(path))
+    driver = cwd / "run_blocks.py"
+    driver.write_text(DRIVER)
     if one_process:
-        run([sys.executable, "-c", DRIVER, *one_process], cwd, f"{page} Python blocks")
+        run([sys.executable, str(driver), *one_process], cwd, f"{page}: Python blocks")
+    if two_ranks:
+        run([os.path.join(BIN, "ddpkit"), "launch", "--nproc-per-node", "2", str(driver),
+             *two_ranks], cwd, f"{page}: Python blocks on 2 ranks")
     return skipped
 
 
