@@ -11,6 +11,7 @@ import argparse
 import importlib
 import re
 import sys
+import textwrap
 
 from ddpkit.errors import DdpkitError
 
@@ -36,8 +37,20 @@ def plain(text: str) -> str:
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions keep their line breaks; every option says its default (or that it is
-    required), and no markup reaches the terminal."""
+    """Descriptions are wrapped by paragraph, indented lines (commands) kept as written;
+    every option says its default (or that it is required); no markup reaches the
+    terminal."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        paragraphs = []
+        for block in re.split(r"\n\s*\n", plain(text).strip("\n")):
+            lines = block.splitlines()
+            if any(line.startswith(" ") for line in lines):
+                paragraphs.append("\n".join(indent + line for line in lines))
+            else:
+                paragraphs.append(textwrap.fill(" ".join(lines), width, initial_indent=indent,
+                                                subsequent_indent=indent))
+        return "\n\n".join(paragraphs)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = plain(action.help or "")
