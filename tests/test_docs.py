@@ -7,8 +7,9 @@ are picked up by themselves) is checked, page by page, in a scratch directory wh
 * sh, bash: each block runs in ``bash -euo pipefail``, the page's blocks in order (a
   later block sees the files an earlier one wrote), before its Python blocks;
 * python: each block runs as a program, in fresh globals as ``__main__``; the page's
-  one-process blocks share one interpreter and its 2-rank blocks one ``ddpkit launch``
-  (importing torch and starting ranks is most of the cost);
+  one-process blocks share one interpreter (importing torch is most of their cost),
+  each 2-rank block gets its own ``ddpkit launch`` (blocks that stop ranks with signals
+  or build process groups must not leave state to the next);
 * toml: read as a ``ddpkit train --config`` file (unknown keys and wrong types fail).
 
 The line right before a block's opening fence may say how (an HTML comment, invisible
@@ -201,9 +202,9 @@ def check_page(page: str, tmp_path: Path) -> list[str]:
     driver.write_text(DRIVER)
     if one_process:
         run([sys.executable, str(driver), *one_process], cwd, f"{page}: Python blocks")
-    if two_ranks:
+    for path in two_ranks:
         run([os.path.join(BIN, "ddpkit"), "launch", "--nproc-per-node", "2", str(driver),
-             *two_ranks], cwd, f"{page}: Python blocks on 2 ranks")
+             path], cwd, f"{page}: {os.path.basename(path)} on 2 ranks")
     return skipped
 
 
