@@ -53,6 +53,8 @@ class Table:
     columns: tuple[str, ...]
     rows: list[tuple] = field(default_factory=list)
     note: str = ""  # one paragraph under the table
+    step: int | None = 0  # whose command the rows cite (None: no command)
+    row_commands: tuple[str, ...] = ()  # a command per row, where rows differ in it
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,10 @@ def collectives_tables(out: list[str], scratch: str) -> list[Table]:
         Table(("size", "gloo", "ddpkit.comm.all_reduce(t) (default)",
                "shm engine, private tensor", "shm engine, tensor in the segment"), shm_rows,
               "Time per call and speed-up over gloo. " + " ".join(
-                  f"{v.rstrip('.')}." for v in verdicts)),
+                  f"{v.rstrip('.')}." for v in verdicts), step=1),
         Table(("peer", "figure"), [("DeepSpeed's shared-memory all-reduce", "not measured: "
                "DeepSpeed is not a dependency and builds a C++ extension at import; no "
-               "figure is reported")]),
+               "figure is reported")], step=None),
     ]
 
 
@@ -170,7 +172,17 @@ def cost_model_tables(out: list[str], scratch: str) -> list[Table]:
             published.append(tuple(cells))
     commands = [line.strip() for line in out[0].splitlines()
                 if line.startswith("    ddpkit plan project")]
+    by_model = {cmd.split("--params ")[1].split()[0]: cmd for cmd in commands}
+    params = {}
+    with open(os.path.join(ROOT, "benchmarks", "data", "torch_ddp_v100_published.csv")) as fh:
+        lines = fh.read().splitlines()
+    for line in lines:
+        if line[:1] not in ("#", "m") and "," in line:
+            name, count = line.split(",")[:2]
+            params[name] = count
+    row_commands = tuple(by_model.get(params.get(row[0], ""), "") for row in published)
     worst = next((line for line in out[0].splitlines() if line.startswith("Worst")), "")
+    worst = worst.split(". Commands")[0]
     calibration = []
     for line in out[1].splitlines():
         found = re.match(r"^\s+(\S+=\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)ms\s+([\d.]+)ms$", line)
@@ -186,17 +198,24 @@ def cost_model_tables(out: list[str], scratch: str) -> list[Table]:
     return [
         Table(("model", "GPUs", "published step", "predicted", "error",
                "error without the slowest-device term"), published,
-              f"{worst.split('.')[0]}. Predicted from each model's single-GPU step without "
-              "DDP, parameter and tensor counts, and the DGX-1 presets: "
-              + "; ".join(f"`{c}`" for c in commands) + ". The slowest-device spread "
-              "(2.5%) is an assumption of ours, not measured (no GPU here) and not fitted."),
+              f"{worst} (`python benchmarks/plan_published.py` prints this table). Each "
+              "row is predicted from the model's single-GPU step without DDP, its parameter "
+              "and tensor counts, and the DGX-1 presets, by the row's command (the fastest "
+              "algorithm's row of plan.csv). resnet101 and resnext101_32x8d were compared "
+              "only after the model's constants were fixed. The slowest-device spread "
+              "(2.5%) is an assumption, not measured here (no GPU) and not fitted.",
+              row_commands=row_commands),
         Table(("model", "tensors", "MiB", "step without DDP", "DDP's extra"), calibration,
               f"DDP's own per-step work, measured with torch DDP on one gloo rank: {fit}. "
-              "The constants in src/ddpkit/plan/model.py come from this table."),
+              "The model's constants (src/ddpkit/plan/model.py: 18 us per tensor, 4.2 "
+              "passes) were set from an earlier run of this benchmark (2026-11-25 13:52 UTC, "
+              "5 rounds: 18.2 us, 4.2 passes); this run shows how much they move between "
+              "runs on a loaded machine.", step=1),
         Table(("batch per rank", "measured DDP step", "predicted", "error"), checked,
               "`ddpkit plan validate` on this machine: torch DDP on 2 gloo ranks, MLP "
               "1024-2048-2048-2048-10, prediction from the no-communication step and an "
-              "all-reduce line fitted in the same processes."),
+              "all-reduce line fitted in the same processes (no DDP-overhead term here).",
+              step=2),
     ]
 
 
@@ -268,9 +287,11 @@ def render(q: Question, tables: list[Table], commands: list[str], date: str) -> 
         cols = (*table.columns, "date", "command")
         lines.append("| " + " | ".join(cols) + " |")
         lines.append("|" + "---|" * len(cols))
-        cmd = "; ".join(f"`{c}`" for c in commands)
-        for row in table.rows:
-            lines.append("| " + " | ".join(str(c) for c in row) + f" | {date} | {cmd} |")
+        cmd = "-" if table.step is None else f"`{commands[table.step]}`"
+        for i, row in enumerate(table.rows):
+            own = table.row_commands[i] if i < len(table.row_commands) else ""
+            lines.append("| " + " | ".join(str(c) for c in row) + f" | {date} | "
+                         + (f"`{own}`" if own else cmd) + " |")
         if not table.rows:
             lines.append("| " + " | ".join("-" for _ in table.columns) + f" | {date} | {cmd} |")
         if table.note:
