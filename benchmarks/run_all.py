@@ -1,7 +1,7 @@
 """Regenerate benchmarks/RESULTS.md: one table per question, every row with its command
 and date.
 
-    .venv/bin/python benchmarks/run_all.py                 # every question (~15 min on 2 cores)
+    .venv/bin/python benchmarks/run_all.py                 # every question (~7 min on 2 cores)
     .venv/bin/python benchmarks/run_all.py --quick         # fewer repeats: minutes, noisier
     .venv/bin/python benchmarks/run_all.py --only cost-model,ddp-step
     .venv/bin/python benchmarks/run_all.py --list          # the questions and their commands
