@@ -37,6 +37,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -167,8 +168,17 @@ for path in list(sys.argv[1:]):
 
 
 def run(argv: list[str], cwd: Path, what: str, timeout: float = 300) -> None:
-    proc = subprocess.run(argv, cwd=cwd, env=environment(), capture_output=True, text=True,
-                          timeout=timeout)
+    # Its own session: on a timeout the launcher and every rank it started go together.
+    proc = subprocess.Popen(argv, cwd=cwd, env=environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"{what} did not finish in {timeout:.0f} s:\n{stderr[-3000:]}",
+                    pytrace=False)
+    proc = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
     assert proc.returncode == 0, (
         f"{what} failed (exit {proc.returncode}):\n--- stdout\n{proc.stdout[-3000:]}"
         f"\n--- stderr\n{proc.stderr[-3000:]}")
