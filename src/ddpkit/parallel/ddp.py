@@ -40,6 +40,7 @@ from ddpkit.parallel import torch_compat, transport
 from ddpkit.parallel.buckets import Allocator, size_limits
 from ddpkit.parallel.join_state import TorchJoinHook
 from ddpkit.parallel.reducer import CommHook, Reducer
+from ddpkit.parallel.sharding import Sharding, agree_on_mode, check_mode
 from ddpkit.parallel.state_sync import broadcast_coalesced, verify_same_layout
 
 
@@ -113,6 +114,9 @@ class DataParallel(nn.Module, Joinable):
             from the first step) or ``"single"`` (one bucket per device and dtype in
             registration order, reduced at the end: torch 2.x's layout, which makes results
             bit-identical to torch DDP's at any world size).
+        shard: ``"none"`` (default), ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2):
+            ``model.parameters()`` then yields this rank's flat shards, so the optimizer
+            built on them holds 1/W of the state (see :mod:`ddpkit.parallel.sharding`).
     """
 
     def __init__(
@@ -144,6 +148,7 @@ class DataParallel(nn.Module, Joinable):
         first_bucket_cap_mb: float | None = None,
         initial_bucketing: str = "reverse",
         comm: str | CommHook = "auto",
+        shard: str = "none",
     ):
         super().__init__()
         Joinable.__init__(self)
@@ -189,6 +194,10 @@ class DataParallel(nn.Module, Joinable):
             limits = size_limits(bucket_cap_mb, first_bucket_cap_mb)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        self.shard = check_mode(shard)
+        if self.shard != "none" and comm_hook is not None:
+            raise ConfigError(f"shard={shard!r} reduce-scatters the buckets itself; a comm hook "
+                              "needs shard='none'")
         if initial_bucketing not in ("reverse", "single"):
             raise ConfigError(
                 f"initial_bucketing must be 'reverse' or 'single', got {initial_bucketing!r}")
@@ -202,6 +211,7 @@ class DataParallel(nn.Module, Joinable):
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.require_backward_grad_sync = True
+        self._sharding: Sharding | None = None
         self._join_state = None  # set by ddpkit.join while its context is open
         self._torch_join_state = None  # set by torch's Join through join_hook()
 
@@ -233,6 +243,9 @@ class DataParallel(nn.Module, Joinable):
             initial_bucketing=initial_bucketing,
             transport=self.transport,
         )
+        agree_on_mode(self.shard, group)
+        self._sharding = (None if self.shard == "none"
+                          else Sharding(self.shard, self.reducer, self.transport, group))
 
     # -- forward -------------------------------------------------------------------------
 
@@ -246,6 +259,12 @@ class DataParallel(nn.Module, Joinable):
         return self.module(*args, **kwargs)
 
     def _before_forward(self) -> None:
+        if self._sharding is not None:
+            if self._join_state is not None or self._torch_join_state is not None:
+                raise ConfigError(f"join() with shard={self.shard!r} is not supported: every "
+                                  "rank's optimizer step updates its own shard; give every "
+                                  "rank the same number of batches, or use shard='none'")
+            self._sharding.before_forward()
         if self._torch_join_state is not None and self._join_config.enable:
             # torch's Join counts iterations through this all-reduce, before ours.
             Join.notify_join_context(self)
@@ -338,6 +357,52 @@ class DataParallel(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = previous
 
+    # -- sharding (shard="optimizer" | "gradients"); plain pass-throughs with "none" -------
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The module's parameters, or with sharding this rank's flat shards (what the
+        optimizer should hold)."""
+        if self._sharding is None:
+            return super().parameters(recurse)
+        return iter(self._sharding.params.shards)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        if self._sharding is None:
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        dot = f"{prefix}." if prefix else ""
+        return iter([(dot + name, p) for name, p in self._sharding.params.named()])
+
+    def gather_parameters(self) -> None:
+        """Give the wrapped module the full updated parameters now (collective; with
+        sharding the next forward and ``state_dict()`` do it by themselves; nothing to do
+        without sharding). Call it before reading ``model.module``'s weights directly."""
+        if self._sharding is not None and self._sharding.params.stale:
+            self._sharding.params.gather()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's state dict of the full (unsharded) module, ``module.`` prefixed."""
+        self.gather_parameters()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self._sharding is not None:
+            self._sharding.params.stale = False  # every rank loaded the same full values
+        return result
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch's ``clip_grad_norm_`` on the gradients the optimizer will use (this rank's
+        shards with sharding: the norm is then over every rank's); returns the total norm."""
+        if self._sharding is None:
+            return torch.nn.utils.clip_grad_norm_(self.reducer.params, max_norm, norm_type)
+        return self._sharding.clip_grad_norm_(max_norm, norm_type)
+
+    def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes of tensors the optimizer keeps as state on this rank."""
+        return sum(v.numel() * v.element_size() for state in optimizer.state.values()
+                   for v in state.values() if isinstance(v, torch.Tensor))
+
     def bucket_layout(self) -> list[list[str]]:
         """Parameter names per gradient bucket, in the order buckets are reduced."""
         return self.reducer.bucket_sizes()
@@ -345,8 +410,8 @@ class DataParallel(nn.Module, Joinable):
     def extra_repr(self) -> str:
         sizes = [sum(self.reducer.params[i].numel() for i in b.param_indices)
                  for b in self.reducer.buckets]
-        return (f"world_size={self.world_size}, comm={self.comm}, buckets={len(sizes)} "
-                f"(numel {sizes})")
+        return (f"world_size={self.world_size}, comm={self.comm}, shard={self.shard}, "
+                f"buckets={len(sizes)} (numel {sizes})")
 
 
 # Collectives and Python-side bookkeeping: under torch.compile they run eagerly (a graph

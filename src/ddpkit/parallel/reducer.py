@@ -111,6 +111,8 @@ class Reducer:
         self.synced_iterations = 0
         self.ready_order: list[int] = []
         self.rebuilt = False
+        # called once every bucket of a synchronized backward is reduced (sharding)
+        self.after_backward: list[Callable[[], None]] = []
         # A transport whose all-reduce runs on the calling thread and returns complete
         # (shm on CPU buckets) overlaps nothing with backward when launched early: every
         # early launch is only one more point where this rank waits for its slowest peer,
@@ -322,6 +324,8 @@ class Reducer:
                     if not globally_used[i] and not had_grad[i]:
                         self.params[i].grad = None
             self.synced_iterations += 1
+            for callback in self.after_backward:
+                callback()
         finally:
             self.armed = False
 

@@ -96,7 +96,9 @@ class _Allocation:
         return [whole[r * size:(r + 1) * size] for r in range(nranks)]
 
 
-def _chunk_bounds(numel: int, itemsize: int, parts: int) -> list[int]:
+def chunk_bounds(numel: int, itemsize: int, parts: int) -> list[int]:
+    """Where ``parts`` ranks split ``numel`` elements: rank i reduces [b[i], b[i+1]).
+    Boundaries fall on cache lines, so no two ranks write one line."""
     align = max(1, ALIGN_BYTES // itemsize)
     bounds = [min(numel, (numel * i // parts) // align * align) for i in range(parts)]
     return bounds + [numel]
@@ -387,7 +389,7 @@ class ShmCommunicator:
 
     def all_reduce(
         self, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", *, divisor: int | None = None,
-        signature: int | None = None, across_hosts: bool = True,
+        signature: int | None = None, across_hosts: bool = True, scatter: bool = False,
     ) -> torch.Tensor:
         """Reduce ``tensor`` in place across the group; returns it.
 
@@ -398,9 +400,15 @@ class ShmCommunicator:
         public layer's: it names the collective the user called, e.g. "reduce").
         ``across_hosts=False`` reduces among this host's ranks only (the first step of the
         hierarchical collectives).
+
+        ``scatter=True`` (a reduce-scatter that sums exactly as the all-reduce does): only
+        this rank's chunk, ``chunk_bounds(numel, itemsize, local ranks)[me:me + 2]``, is
+        guaranteed reduced on return. Where every rank's tensor sits at the same place of
+        one allocation, each rank sums its own chunk and writes nothing back to its
+        peers; elsewhere (small, private or across hosts) the whole tensor is reduced.
         """
         self._check_open()
-        name, code = self._code("all_reduce", op, tensor.dtype)
+        name, code = self._code("reduce_scatter" if scatter else "all_reduce", op, tensor.dtype)
         if tensor.device.type != "cpu":
             raise CommError(f"shm all_reduce needs a CPU tensor, got one on {tensor.device}")
         if signature is not None:
@@ -430,7 +438,7 @@ class ShmCommunicator:
             if where is None:
                 self._reduce_through_slots(flat, local_op, in_pass)
             else:
-                self._reduce_in_place(flat, where, local_op, in_pass)
+                self._reduce_in_place(flat, where, local_op, in_pass, write_back=not scatter)
         if self.nhosts > 1 and across_hosts:
             hierarchical.all_reduce_across(self, flat, where, local_op, divisor)
         if flat.data_ptr() != tensor.data_ptr():
@@ -474,11 +482,13 @@ class ShmCommunicator:
         if divisor is not None:
             flat.div_(divisor)
 
-    def _reduce_in_place(self, flat, where, op, divisor) -> None:
+    def _reduce_in_place(self, flat, where, op, divisor, write_back: bool = True) -> None:
         """Every rank's tensor is in shared memory already (checked at arrival)."""
         start, stop = where[1], where[1] + flat.numel() * flat.element_size()
         regions = [r[start:stop].view(flat.dtype) for r in self._regions(where[0])]
-        self._reduce_my_chunk(regions, op, divisor)
+        self._reduce_my_chunk(regions, op, divisor, write_back)
+        # Also without the write-back: peers may still read this rank's region, which
+        # the caller may overwrite as soon as this returns.
         self.control.barrier()
 
     def _reduce_through_slots(self, flat, op, divisor) -> None:
@@ -495,7 +505,7 @@ class ShmCommunicator:
             parity = self._next_half()
             slots = [h[: count * itemsize].view(flat.dtype) for h in self._halves[parity]]
             mine, piece = slots[self.me], flat[start:start + count]
-            bounds = _chunk_bounds(count, itemsize, self.local_size)
+            bounds = chunk_bounds(count, itemsize, self.local_size)
             lo, hi = bounds[self.me], bounds[self.me + 1]
             # peers need every chunk but the one this rank reduces: before it and after
             mine[:lo].copy_(piece[:lo])
@@ -512,8 +522,9 @@ class ShmCommunicator:
                 a, b = bounds[peer], bounds[peer + 1]
                 piece[a:b].copy_(slots[peer][a:b])
 
-    def _reduce_my_chunk(self, regions: list[torch.Tensor], op: str, divisor) -> None:
-        bounds = _chunk_bounds(regions[0].numel(), regions[0].element_size(), self.local_size)
+    def _reduce_my_chunk(self, regions: list[torch.Tensor], op: str, divisor,
+                         write_back: bool = True) -> None:
+        bounds = chunk_bounds(regions[0].numel(), regions[0].element_size(), self.local_size)
         lo, hi = bounds[self.me], bounds[self.me + 1]
         mine = regions[self.me]
         others = [r for i, r in enumerate(regions) if i != self.me]
@@ -526,8 +537,9 @@ class ShmCommunicator:
                 kernel(acc, acc, other[start:stop])
             if divisor is not None:
                 acc.div_(divisor)
-            for other in others:
-                other[start:stop].copy_(acc)
+            if write_back:
+                for other in others:
+                    other[start:stop].copy_(acc)
 
     # ------------------------------------------------------------------ the other collectives
     # Each call's first barrier carries its signature, as all_reduce's does; data moves
@@ -618,6 +630,38 @@ class ShmCommunicator:
                 block = out[r * m + start: r * m + start + count]
                 block.copy_(src[start:start + count] if r == self.me
                             else self._area(half, r, count, dtype))
+
+    def all_gather_chunks(self, flat: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+        """In place on a contiguous 1-D ``flat``: every rank gets group rank r's elements
+        ``flat[bounds[r]:bounds[r + 1]]`` from rank r (uneven chunks, e.g. the shards a
+        sharded optimizer has just updated). One host; pieces go through the slot halves,
+        so peers touch no memory of each other's but the slots."""
+        self._check_open()
+        self._single_host("all_gather_chunks")
+        if not flat.is_contiguous() or flat.dim() != 1 or len(bounds) != self.local_size + 1:
+            raise CommError(f"all_gather_chunks needs a contiguous 1-D tensor and "
+                            f"{self.local_size + 1} bounds, got shape {tuple(flat.shape)} and "
+                            f"{len(bounds)} bounds")
+        code = self._code("all_gather", "-", flat.dtype)[1]
+        sizes = [bounds[r + 1] - bounds[r] for r in range(self.local_size)]
+        step = len(self._halves[0][0]) // flat.element_size()
+        parity = self._next_call()
+        for start in range(0, max(max(sizes), 1), step):
+            half = self._next_half()
+            count = max(0, min(sizes[self.me] - start, step))
+            if count:
+                at = bounds[self.me] + start
+                self._area(half, self.me, count, flat.dtype).copy_(flat[at:at + count])
+            if start == 0:
+                self._arrive_checked((flat.numel(), code, -1, -1), parity)
+            else:
+                self.control.barrier()
+            for peer in self.control.peers:
+                theirs = max(0, min(sizes[peer] - start, step))
+                if theirs:
+                    at = bounds[peer] + start
+                    flat[at:at + theirs].copy_(self._area(half, peer, theirs, flat.dtype))
+        return flat
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        op: str | dist.ReduceOp = "sum", *, signature: int | None = None
