@@ -40,6 +40,7 @@ from ddpkit.parallel import torch_compat, transport
 from ddpkit.parallel.buckets import Allocator, size_limits
 from ddpkit.parallel.join_state import TorchJoinHook
 from ddpkit.parallel.reducer import CommHook, Reducer
+from ddpkit.parallel.scatter_reducer import ScatterReducer
 from ddpkit.parallel.sharding import Sharding, agree_on_mode, check_mode
 from ddpkit.parallel.state_sync import broadcast_coalesced, verify_same_layout
 
@@ -231,7 +232,8 @@ class DataParallel(nn.Module, Joinable):
         self.transport = transport.build(
             wanted, sorted({p.device.type for _, p in trainable}), group)
         self.comm = self.transport.name
-        self.reducer = Reducer(
+        reducer_class = ScatterReducer if self.shard == "gradients" else Reducer
+        self.reducer = reducer_class(
             [p for _, p in trainable],
             [n for n, _ in trainable],
             group,

@@ -39,22 +39,6 @@ def check_mode(shard: str) -> str:
     return shard
 
 
-class _Scattering:
-    """The engine's transport with each bucket's all-reduce replaced by the
-    reduce-scatter that keeps this rank's chunk (ZeRO-2)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.name = inner.name
-        self.reduces_inline = inner.reduces_inline
-
-    def all_reduce(self, buffer: torch.Tensor):
-        return self.inner.reduce_scatter(buffer)
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-
 def agree_on_mode(mode: str, group) -> None:
     """Every rank must shard alike (the collectives differ): one ConfigError everywhere."""
     modes: list = [None] * dist.get_world_size(group)
@@ -74,8 +58,6 @@ class Sharding:
         self.reducer = reducer
         # The shards the optimizer holds are cut from this layout: keep it.
         reducer.rebuilt = True
-        if mode == "gradients":
-            reducer.transport = _Scattering(reducer.transport)
         self.params = ShardedParameters(reducer.params, reducer.buckets,
                                         dist.get_rank(group), dist.get_world_size(group),
                                         transport)
@@ -83,10 +65,11 @@ class Sharding:
         reducer.after_backward.append(self._after_backward)
 
     def _after_backward(self) -> None:
-        self.params.point_grads_at(self.reducer.buckets)
-        if self.mode == "gradients":
-            for p in self.reducer.params:
-                p.grad = None  # only this rank's chunks were summed
+        if self.mode == "gradients":  # the reducer kept each bucket's reduced chunk
+            for shard, grad in zip(self.params.shards, self.reducer.grad_shards):
+                shard.grad = grad
+        else:
+            self.params.point_grads_at(self.reducer.buckets)
         self.params.stale = True
         self._reduced = True
 

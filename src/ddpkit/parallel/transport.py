@@ -134,9 +134,9 @@ class BackendTransport:
         return dist.all_reduce(buffer, group=self.group, async_op=True)
 
     def reduce_scatter(self, buffer: torch.Tensor):
-        """A sharded engine's bucket collective: this rank's shard of ``buffer`` summed
-        (here the whole bucket, by the same all-reduce, so the bits are the unsharded
-        engine's)."""
+        """A sharded engine's bucket collective: this rank's chunk of ``buffer``
+        (:func:`ddpkit.parallel.shard_layout.bucket_shards`) summed; here the whole
+        bucket, by the same all-reduce, so the bits are the unsharded engine's."""
         return self.all_reduce(buffer)
 
     def all_gather_chunks(self, flat: torch.Tensor, bounds: Sequence[int]) -> None:
@@ -223,11 +223,14 @@ class ShmTransport:
         return None
 
     def reduce_scatter(self, buffer: torch.Tensor):
-        """Sum only this rank's chunk of a bucket in the segment (the all-reduce's own
-        chunk, summed in the same order, with no write-back to the peers)."""
+        """Sum only this rank's chunk of a private bucket (the chunk the in-place
+        all-reduce sums, added in the same order); across hosts the whole bucket."""
         if buffer.device.type != "cpu":
             return dist.all_reduce(buffer, group=self.group, async_op=True)
-        self.comm.all_reduce(buffer, "sum", scatter=True)
+        if self.comm.nhosts > 1:
+            self.comm.all_reduce(buffer, "sum")
+        else:
+            self.comm.reduce_scatter_chunks(buffer)
         return None
 
     def all_gather_chunks(self, flat: torch.Tensor, bounds: Sequence[int]) -> None:

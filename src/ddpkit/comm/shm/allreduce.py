@@ -389,7 +389,7 @@ class ShmCommunicator:
 
     def all_reduce(
         self, tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", *, divisor: int | None = None,
-        signature: int | None = None, across_hosts: bool = True, scatter: bool = False,
+        signature: int | None = None, across_hosts: bool = True,
     ) -> torch.Tensor:
         """Reduce ``tensor`` in place across the group; returns it.
 
@@ -400,15 +400,9 @@ class ShmCommunicator:
         public layer's: it names the collective the user called, e.g. "reduce").
         ``across_hosts=False`` reduces among this host's ranks only (the first step of the
         hierarchical collectives).
-
-        ``scatter=True`` (a reduce-scatter that sums exactly as the all-reduce does): only
-        this rank's chunk, ``chunk_bounds(numel, itemsize, local ranks)[me:me + 2]``, is
-        guaranteed reduced on return. Where every rank's tensor sits at the same place of
-        one allocation, each rank sums its own chunk and writes nothing back to its
-        peers; elsewhere (small, private or across hosts) the whole tensor is reduced.
         """
         self._check_open()
-        name, code = self._code("reduce_scatter" if scatter else "all_reduce", op, tensor.dtype)
+        name, code = self._code("all_reduce", op, tensor.dtype)
         if tensor.device.type != "cpu":
             raise CommError(f"shm all_reduce needs a CPU tensor, got one on {tensor.device}")
         if signature is not None:
@@ -438,7 +432,7 @@ class ShmCommunicator:
             if where is None:
                 self._reduce_through_slots(flat, local_op, in_pass)
             else:
-                self._reduce_in_place(flat, where, local_op, in_pass, write_back=not scatter)
+                self._reduce_in_place(flat, where, local_op, in_pass)
         if self.nhosts > 1 and across_hosts:
             hierarchical.all_reduce_across(self, flat, where, local_op, divisor)
         if flat.data_ptr() != tensor.data_ptr():
@@ -482,13 +476,11 @@ class ShmCommunicator:
         if divisor is not None:
             flat.div_(divisor)
 
-    def _reduce_in_place(self, flat, where, op, divisor, write_back: bool = True) -> None:
+    def _reduce_in_place(self, flat, where, op, divisor) -> None:
         """Every rank's tensor is in shared memory already (checked at arrival)."""
         start, stop = where[1], where[1] + flat.numel() * flat.element_size()
         regions = [r[start:stop].view(flat.dtype) for r in self._regions(where[0])]
-        self._reduce_my_chunk(regions, op, divisor, write_back)
-        # Also without the write-back: peers may still read this rank's region, which
-        # the caller may overwrite as soon as this returns.
+        self._reduce_my_chunk(regions, op, divisor)
         self.control.barrier()
 
     def _reduce_through_slots(self, flat, op, divisor) -> None:
@@ -522,8 +514,7 @@ class ShmCommunicator:
                 a, b = bounds[peer], bounds[peer + 1]
                 piece[a:b].copy_(slots[peer][a:b])
 
-    def _reduce_my_chunk(self, regions: list[torch.Tensor], op: str, divisor,
-                         write_back: bool = True) -> None:
+    def _reduce_my_chunk(self, regions: list[torch.Tensor], op: str, divisor) -> None:
         bounds = chunk_bounds(regions[0].numel(), regions[0].element_size(), self.local_size)
         lo, hi = bounds[self.me], bounds[self.me + 1]
         mine = regions[self.me]
@@ -537,9 +528,8 @@ class ShmCommunicator:
                 kernel(acc, acc, other[start:stop])
             if divisor is not None:
                 acc.div_(divisor)
-            if write_back:
-                for other in others:
-                    other[start:stop].copy_(acc)
+            for other in others:
+                other[start:stop].copy_(acc)
 
     # ------------------------------------------------------------------ the other collectives
     # Each call's first barrier carries its signature, as all_reduce's does; data moves
@@ -630,6 +620,50 @@ class ShmCommunicator:
                 block = out[r * m + start: r * m + start + count]
                 block.copy_(src[start:start + count] if r == self.me
                             else self._area(half, r, count, dtype))
+
+    def reduce_scatter_chunks(self, flat: torch.Tensor) -> torch.Tensor:
+        """Sum a contiguous 1-D ``flat`` so that this rank's chunk of it,
+        ``chunk_bounds(numel, itemsize, ranks)[me:me + 2]``, holds the result, added in
+        exactly the order :meth:`all_reduce` adds it (a sharded optimizer's gradients
+        then carry the unsharded engine's bits); the rest of ``flat`` is left as it was,
+        except where the message is small enough for all_reduce's one-barrier path,
+        which is then taken whole. One host; ``flat`` may be private: peers' parts of
+        this rank's chunk arrive through the slot halves."""
+        self._check_open()
+        self._single_host("reduce_scatter_chunks")
+        if not flat.is_contiguous() or flat.dim() != 1:
+            raise CommError(f"reduce_scatter_chunks needs a contiguous 1-D tensor, got shape "
+                            f"{tuple(flat.shape)}")
+        if flat.numel() * flat.element_size() <= SMALL_BYTES:
+            return self.all_reduce(flat, "sum")
+        code = self._code("reduce_scatter", "sum", flat.dtype)[1]
+        n, dtype = self.local_size, flat.dtype
+        bounds = chunk_bounds(flat.numel(), flat.element_size(), n)
+        sizes = [bounds[r + 1] - bounds[r] for r in range(n)]
+        step = max(1, len(self._halves[0][0]) // (flat.element_size() * n))
+        kernel = ops.kernel("sum")
+        parity = self._next_call()
+        for start in range(0, max(max(sizes), 1), step):
+            half = self._next_half()
+            # my half holds, at block j, the piece of chunk j that rank j sums
+            staged = self._area(half, self.me, n * step, dtype)
+            for j in self.control.peers:
+                count = max(0, min(sizes[j] - start, step))
+                if count:
+                    at = bounds[j] + start
+                    staged[j * step:j * step + count].copy_(flat[at:at + count])
+            if start == 0:
+                self._arrive_checked((flat.numel(), code, -1, -1), parity)
+            else:
+                self.control.barrier()
+            count = max(0, min(sizes[self.me] - start, step))
+            if count:
+                at = bounds[self.me] + start
+                acc = flat[at:at + count]
+                for peer in self.control.peers:  # own part first, then rank order
+                    theirs = self._area(half, peer, n * step, dtype)
+                    kernel(acc, acc, theirs[self.me * step:self.me * step + count])
+        return flat
 
     def all_gather_chunks(self, flat: torch.Tensor, bounds: list[int]) -> torch.Tensor:
         """In place on a contiguous 1-D ``flat``: every rank gets group rank r's elements
