@@ -27,6 +27,7 @@ Run:  python benchmarks/zero.py [--world-size 2 --model mlp14m --repeats 3 --ste
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import random
@@ -81,7 +82,7 @@ def worker(world: ddpkit.World, variant: str, opts: dict) -> dict:
     torch.set_num_threads(1)
     # Code, not training state: torch.optim and DataParallel's first forward import
     # torch._dynamo (~70 MiB of modules); loaded before the baseline in every variant.
-    import torch._dynamo  # noqa: F401
+    importlib.import_module("torch._dynamo")
     if opts["with_weights"]:
         reset_peak()
         base_kib = rss_kib("VmRSS")

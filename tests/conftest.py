@@ -62,6 +62,7 @@ LAYERS = {
     "test_train_recipe.py": MULTIPROCESS,
     "test_train_resume.py": MULTIPROCESS,
     "test_verify.py": MULTIPROCESS,
+    "test_zero.py": MULTIPROCESS,
     "test_comm_bench.py": E2E,
     "test_ddp_examples.py": E2E,
     "test_env_cmd.py": E2E,
@@ -156,6 +157,9 @@ SLOW = {
                             "test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_matches",
                             "test_a_rank_that_stops_arriving_is_named_within_the_timeout"},
     "test_train_recipe.py": {"test_user_factories_train_the_users_module_on_the_users_data"},
+    "test_zero.py": {"test_sharded_checkpoint_resumes_at_another_world_size",
+                     "test_sharded_training_is_bit_identical_to_unsharded[3-auto]",
+                     "test_sharded_training_is_bit_identical_to_unsharded[3-backend]"},
     # 1.4 s, nearly all of it the first import of torch._dynamo (by torch.optim.SGD).
     "test_train_resume.py": {"test_workers_refuse_a_checkpoint_written_with_other_settings"},
 }

@@ -36,7 +36,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddpkit import lifetime
 from ddpkit.errors import ConfigError
-from ddpkit.parallel import torch_compat, transport
+from ddpkit.parallel import sharded_state, torch_compat, transport
 from ddpkit.parallel.buckets import Allocator, size_limits
 from ddpkit.parallel.join_state import TorchJoinHook
 from ddpkit.parallel.reducer import CommHook, Reducer
@@ -399,6 +399,27 @@ class DataParallel(nn.Module, Joinable):
         if self._sharding is None:
             return torch.nn.utils.clip_grad_norm_(self.reducer.params, max_norm, norm_type)
         return self._sharding.clip_grad_norm_(max_norm, norm_type)
+
+    def optimizer_shard_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """With sharding: (what every rank shares, this rank's part) of the optimizer's
+        state, cut by parameter so that any world size can load it
+        (:mod:`ddpkit.parallel.sharded_state`; ddpkit's checkpoints store the parts as
+        one file per rank)."""
+        if self._sharding is None:
+            raise ConfigError("optimizer_shard_state needs DataParallel(shard='optimizer' or "
+                              "'gradients'); without sharding use optimizer.state_dict()")
+        return sharded_state.split_state(optimizer, self._sharding.params, self.reducer.names)
+
+    def load_optimizer_shards(self, optimizer: torch.optim.Optimizer, common: Any,
+                              parts: Any) -> None:
+        """Give ``optimizer`` this rank's shard of a state saved by
+        :meth:`optimizer_shard_state` on every rank of a run of any world size (``parts``:
+        each saved rank's part, any order)."""
+        if self._sharding is None:
+            raise ConfigError("load_optimizer_shards needs DataParallel(shard='optimizer' or "
+                              "'gradients'); this model is not sharded")
+        sharded_state.load_state(optimizer, self._sharding.params, self.reducer.names, common,
+                                 parts)
 
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of tensors the optimizer keeps as state on this rank."""
