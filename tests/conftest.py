@@ -79,6 +79,7 @@ LAYERS = {
     "test_train_e2e.py": E2E,
     "test_train_example.py": E2E,
     "test_train_fault.py": E2E,
+    "test_train_shard.py": E2E,
 }
 # file -> test functions (every parametrization) or single parametrizations ("name[id]").
 # Four ranks on two cores: every test on the 4-rank pool is slow, and so is starting it.
@@ -157,6 +158,8 @@ SLOW = {
                             "test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_matches",
                             "test_a_rank_that_stops_arriving_is_named_within_the_timeout"},
     "test_train_recipe.py": {"test_user_factories_train_the_users_module_on_the_users_data"},
+    "test_train_shard.py": {"test_sharded_run_equals_unsharded_with_half_the_optimizer_state",
+                            "test_shard_with_the_torch_engine_is_one_line_exit_2"},
     "test_zero.py": {"test_sharded_checkpoint_resumes_at_another_world_size",
                      "test_sharded_training_is_bit_identical_to_unsharded[3-auto]",
                      "test_sharded_training_is_bit_identical_to_unsharded[3-backend]"},
