@@ -230,3 +230,41 @@ def test_torch_engine_refuses_shard():
 
     with pytest.raises(ConfigError, match="ddpkit engine option"):
         data_parallel(copy.deepcopy(_mlp()), engine="torch", shard="gradients")
+
+
+# -- ddpkit.Run: a user's loop over a sharded model --------------------------------------
+
+def run_loop(world, directory, mode, steps):
+    from ddpkit.loop import Run
+    from ddpkit.parallel import DataParallel
+
+    torch.manual_seed(5)
+    ddp = DataParallel(_mlp(), shard=mode, bucket_cap_mb=0.1)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+    with Run(directory, model=ddp, optimizer=opt, log_every=1) as run:
+        started = run.step
+        while run.step < steps:
+            opt.zero_grad()
+            x, y = _batch(run.step, world.rank)
+            loss = F.cross_entropy(ddp(x), y)
+            loss.backward()
+            opt.step()
+            run.step_done(loss=loss)
+        run.save("manual")
+    return started, [v.clone() for v in ddp.state_dict().values()]
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "gradients"])
+def test_run_resumes_a_sharded_loop_at_another_world_size(pools, tmp_path, mode):
+    import json
+
+    plain, sharded = str(tmp_path / "plain"), str(tmp_path / "sharded")
+    pools(2).run(run_loop, plain, "none", 2)
+    pools(2).run(run_loop, sharded, mode, 2)
+    expected = pools(3).run(run_loop, plain, "none", 4)
+    got = pools(3).run(run_loop, sharded, mode, 4)
+    for (start_a, a), (start_b, b) in zip(got, expected):
+        assert start_a == start_b == 2  # resumed, not restarted
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    records = [json.loads(line) for line in open(tmp_path / "sharded" / "metrics.jsonl")]
+    assert [len(r["rank_peak_rss_mib"]) for r in records] == [2, 2, 3, 3]
