@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddpkit
+from ddpkit.jsonfiles import write_atomic
 
 MODELS = {"mlp14m": (1536, 6), "mlp200m": (5000, 8)}  # (width, Linear layers)
 VARIANTS = ("dp_none", "dp_optimizer", "dp_gradients", "torch_ddp", "torch_zero")
@@ -73,6 +74,13 @@ def formula_bytes(variant: str, world: int, with_weights: bool) -> float | None:
     shard = {**SHARD, "torch_ddp": "none", "torch_zero": "optimizer"}[variant]
     extra = {"none": 12.0, "optimizer": 4.0 + 8.0 / world, "gradients": 12.0 / world}[shard]
     return extra + (4.0 if with_weights else 0.0)
+
+
+def variant_list(text: str) -> list[str]:
+    names = text.split(",")
+    if any(n not in VARIANTS for n in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: known variants are {', '.join(VARIANTS)}")
+    return names
 
 
 def worker(world: ddpkit.World, variant: str, opts: dict) -> dict:
@@ -135,14 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--with-weights", action="store_true",
                    help="measure growth from before the model is built (weights included)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
+    p.add_argument("--variants", type=variant_list, default=list(VARIANTS),
                    help=f"comma-separated, of: {', '.join(VARIANTS)}")
     p.add_argument("--json", default=os.path.join("benchmarks", "results", "zero.json"))
     args = p.parse_args(argv)
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        p.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    variants = args.variants
     opts = {"model": args.model, "batch": args.batch, "steps": args.steps,
             "warmup": args.warmup, "with_weights": args.with_weights}
     n_params = sum(q.numel() for q in make_model(args.model).parameters())
@@ -212,14 +217,13 @@ def main(argv: list[str] | None = None) -> int:
                   .format(**verdict))
     else:
         verdict = {}
-    report = {"benchmark": "zero", "argv": sys.argv[1:], "model": args.model,
-              "model_params": n_params, "world_size": W, "batch_per_rank": args.batch,
-              "torch": torch.__version__, "rows": rows, "verdict": verdict,
-              "loadavg": os.getloadavg()}
     if args.json:
+        report = {"benchmark": "zero", "argv": sys.argv[1:], "model": args.model,
+                  "model_params": n_params, "world_size": W, "batch_per_rank": args.batch,
+                  "torch": torch.__version__, "rows": rows, "verdict": verdict,
+                  "loadavg": os.getloadavg()}
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_atomic(args.json, json.dumps(report, indent=2))
         print(f"\nwrote {args.json}")
     return 0
 
