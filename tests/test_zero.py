@@ -266,5 +266,28 @@ def test_run_resumes_a_sharded_loop_at_another_world_size(pools, tmp_path, mode)
     for (start_a, a), (start_b, b) in zip(got, expected):
         assert start_a == start_b == 2  # resumed, not restarted
         assert all(torch.equal(x, y) for x, y in zip(a, b))
-    records = [json.loads(line) for line in open(tmp_path / "sharded" / "metrics.jsonl")]
+    text = (tmp_path / "sharded" / "metrics.jsonl").read_text()
+    records = [json.loads(line) for line in text.splitlines()]
     assert [len(r["rank_peak_rss_mib"]) for r in records] == [2, 2, 3, 3]
+
+
+def run_resume_into_other_kind(world, directory, mode):
+    from ddpkit.checkpoint import CheckpointError
+
+    try:
+        run_resume(world, directory, mode)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_optimizer_state_of_the_other_kind_is_refused_in_one_line(pools, tmp_path):
+    plain, sharded = str(tmp_path / "plain"), str(tmp_path / "sharded")
+    pools(2).run(run_save, plain, "none")
+    pools(2).run(run_save, sharded, "optimizer")
+    into_sharded = pools(2).run(run_resume_into_other_kind, plain, "gradients")
+    into_plain = pools(2).run(run_resume_into_other_kind, sharded, "none")
+    assert all("holds an unsharded optimizer state and this model is sharded" in e
+               for e in into_sharded)
+    assert all("holds a sharded optimizer state; resume it into DataParallel(shard=" in e
+               for e in into_plain)
