@@ -31,11 +31,14 @@ def _sharded(model: Any) -> bool:
 
 def _restore_sharded_optimizer(state: Mapping[str, Any], model: Any, optimizer: Any,
                                sharded_save: bool, source: str) -> None:
-    """Each rank takes the pieces of its new shards from every saved rank's file."""
-    if not sharded_save:
-        raise CheckpointError(f"{source} holds an unsharded optimizer state and this model is "
-                              f"sharded ({model.shard!r}); resume with the shard mode it was "
-                              "saved with")
+    """Each rank takes the pieces of its new shards from every saved rank's file (or from
+    the unsharded state, when the checkpoint was written without sharding)."""
+    if not sharded_save:  # written without sharding: cut it into this rank's shards
+        try:
+            model.load_unsharded_optimizer_state(optimizer, state["optimizer"])
+        except DdpkitError as err:
+            raise CheckpointError(f"{source}: {err}") from None
+        return
     if not _sharded(model):
         raise CheckpointError(f"{source} holds a sharded optimizer state; resume it into "
                               "DataParallel(shard='optimizer' or 'gradients')")

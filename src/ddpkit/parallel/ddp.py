@@ -421,6 +421,19 @@ class DataParallel(nn.Module, Joinable):
         sharded_state.load_state(optimizer, self._sharding.params, self.reducer.names, common,
                                  parts)
 
+    def load_unsharded_optimizer_state(self, optimizer: torch.optim.Optimizer,
+                                       state_dict: Any) -> None:
+        """Give ``optimizer`` this rank's shard of an unsharded optimizer's
+        ``state_dict()`` (one built on the module's parameters): a run continues sharded
+        from a checkpoint written without sharding."""
+        if self._sharding is None:
+            raise ConfigError("load_unsharded_optimizer_state needs DataParallel(shard=...); "
+                              "without sharding use optimizer.load_state_dict()")
+        common, part = sharded_state.from_unsharded(
+            state_dict, self.reducer.params, self.reducer.names, self.reducer.bucket_of,
+            len(self.reducer.buckets))
+        self.load_optimizer_shards(optimizer, common, [part])
+
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of tensors the optimizer keeps as state on this rank."""
         return sum(v.numel() * v.element_size() for state in optimizer.state.values()

@@ -63,6 +63,32 @@ def split_state(optimizer: torch.optim.Optimizer, params, names: list[str]
     return common, {"pieces": pieces, "scalars": scalars, "along": along}
 
 
+def from_unsharded(saved: Mapping[str, Any], params: list[torch.nn.Parameter], names: list[str],
+                   bucket_of: list[int], buckets: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An unsharded optimizer's ``state_dict()`` (built on the module's trainable
+    parameters, in their order) as (common, one part): what :func:`load_state` takes, so a
+    run can continue sharded from an unsharded checkpoint."""
+    order = [i for group in saved["param_groups"] for i in group["params"]]
+    if len(order) != len(params):
+        raise DdpkitError(f"the saved optimizer holds {len(order)} parameters, this model "
+                          f"{len(params)} trainable ones; it cannot be sharded onto them")
+    pieces: dict[str, list] = {}
+    scalars: dict[int, dict[str, Any]] = {}
+    along: dict[str, str] = {}
+    for position, index in enumerate(order):
+        param = params[position]
+        for key, value in saved["state"].get(index, {}).items():
+            if isinstance(value, torch.Tensor) and key != "step" and value.shape == param.shape:
+                along[key] = str(value.dtype).removeprefix("torch.")
+                pieces.setdefault(names[position], []).append(
+                    [0, param.numel(), key, value.reshape(-1)])
+            else:
+                scalars.setdefault(bucket_of[position], {})[key] = value
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
+    return ({"format": FORMAT, "param_groups": groups, "buckets": buckets},
+            {"pieces": pieces, "scalars": scalars, "along": along})
+
+
 def load_state(optimizer: torch.optim.Optimizer, params, names: list[str],
                common: Mapping[str, Any], parts: Iterable[Mapping[str, Any]]) -> None:
     """Rebuild this rank's shard state from every saved rank's part (any world size)."""
