@@ -41,6 +41,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.jsonfiles import write_atomic
+from ddpkit.parallel.sharded_state import state_bytes
 
 MODELS = {"mlp14m": (1536, 6), "mlp200m": (5000, 8)}  # (width, Linear layers)
 VARIANTS = ("dp_none", "dp_optimizer", "dp_gradients", "torch_ddp", "torch_zero")
@@ -124,13 +125,12 @@ def worker(world: ddpkit.World, variant: str, opts: dict) -> dict:
             times.append(time.perf_counter() - start)
     peak_kib = rss_kib("VmHWM")
     inner = opt.optim if variant == "torch_zero" else opt
-    state_bytes = sum(v.numel() * v.element_size() for s in inner.state.values()
-                      for v in s.values() if isinstance(v, torch.Tensor))
+    held = state_bytes(inner)
     if variant in SHARD:
         wrapped.gather_parameters()
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     return {"times": times, "growth_bytes": (peak_kib - base_kib) * 1024,
-            "state_bytes": state_bytes, "checksum": checksum}
+            "state_bytes": held, "checksum": checksum}
 
 
 def main(argv: list[str] | None = None) -> int:

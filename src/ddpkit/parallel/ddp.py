@@ -436,8 +436,7 @@ class DataParallel(nn.Module, Joinable):
 
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of tensors the optimizer keeps as state on this rank."""
-        return sum(v.numel() * v.element_size() for state in optimizer.state.values()
-                   for v in state.values() if isinstance(v, torch.Tensor))
+        return sharded_state.state_bytes(optimizer)
 
     def bucket_layout(self) -> list[list[str]]:
         """Parameter names per gradient bucket, in the order buckets are reduced."""

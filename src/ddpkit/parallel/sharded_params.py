@@ -61,13 +61,3 @@ class ShardedParameters:
             for flat, s in zip(self.flats, self.layout):
                 self.transport.all_gather_chunks(flat, s.bounds)
         self.stale = False
-
-    def state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        """Bytes of optimizer state tensors held for these shards on this rank."""
-        mine = {id(p) for p in self.shards}
-        total = 0
-        for param, state in optimizer.state.items():
-            if id(param) in mine:
-                total += sum(v.numel() * v.element_size() for v in state.values()
-                             if isinstance(v, torch.Tensor))
-        return total

@@ -22,6 +22,12 @@ from ddpkit.errors import DdpkitError
 FORMAT = "ddpkit-sharded-optimizer/1"
 
 
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors ``optimizer`` keeps as state on this rank."""
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
+               for v in state.values() if isinstance(v, torch.Tensor))
+
+
 def _shard_index(optimizer: torch.optim.Optimizer, shards: list[torch.nn.Parameter]) -> list[int]:
     """For each parameter of the optimizer (state_dict order), which shard it is."""
     position = {id(p): k for k, p in enumerate(shards)}

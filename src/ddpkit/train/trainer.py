@@ -53,6 +53,7 @@ from ddpkit.fault import PreemptionGuard, Watchdog
 from ddpkit.log import get_logger
 from ddpkit.loop import Run
 from ddpkit.parallel import data_parallel
+from ddpkit.parallel.sharded_state import state_bytes
 from ddpkit.train import progress, recipe, report
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums, gather_floats
@@ -480,7 +481,7 @@ class Trainer:
             "engine_requested": self.cfg.train.engine,
             "shard": getattr(self.model, "shard", "none"),
             "rank_peak_rss_mib": self.rank_peak_rss_mib,
-            "optimizer_state_mib": _state_mib(self.optimizer),
+            "optimizer_state_mib": state_bytes(self.optimizer) / 2**20,
             "wrapper": f"{type(self.model).__module__}.{type(self.model).__name__}",
             "num_parameters": self.num_parameters,
             "global_batch_size": self.cfg.train.batch_size,
@@ -494,12 +495,6 @@ class Trainer:
             return None
         # To the launcher's progress file under ddpkit train/launch, else a tqdm bar.
         return progress.open_bar(self, epoch, total)
-
-
-def _state_mib(optimizer: torch.optim.Optimizer) -> float:
-    """MiB of tensors the optimizer keeps as state on this rank."""
-    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
-               for v in state.values() if isinstance(v, torch.Tensor)) / 2**20
 
 
 class _EpochSums:
