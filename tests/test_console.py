@@ -47,6 +47,8 @@ def test_console_off_a_terminal_prints_plain_lines_at_its_interval():
     assert all(line.startswith("progress: epoch 1/1") for line in lines)
     assert "\r" not in err.getvalue()
     assert describe({"step": 3}, None) == "step 3 | ETA ?"
+    assert describe({"step": 3, "peak_rss_mib": [412, 405]}, None) == (
+        "step 3 | peak RSS 412/405 MiB | ETA ?")
 
 
 def _train(tmp_path, *argv, **env):
