@@ -73,7 +73,8 @@ def test_train_users_factories_with_progress_lines_when_not_a_terminal(tmp_path)
     progress = [line for line in proc.stderr.splitlines() if line.startswith("progress: ")]
     assert progress, proc.stderr[-3000:]
     assert re.fullmatch(r"progress: epoch 4/4 \| step 32/32 \(100%\) \| [\d,]+ samples/s \| "
-                        r"loss \d+\.\d{4} \| ETA \S+", progress[-1]), progress[-1]
+                        r"loss \d+\.\d{4} \| peak RSS \d+/\d+ MiB \| ETA \S+", progress[-1]), \
+        progress[-1]
     assert "\r" not in proc.stderr
 
 
