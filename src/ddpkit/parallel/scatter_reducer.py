@@ -73,7 +73,9 @@ class ScatterReducer(Reducer):
             return
         super()._mark_ready(i, param)
 
-    def _launch(self, bucket: Bucket, buffer: torch.Tensor, views: list[torch.Tensor]) -> None:
+    def _launch_now(self, bucket: Bucket, buffer: torch.Tensor,
+                    views: list[torch.Tensor]) -> None:
+        # (Reducer._launch runs this outside autograd's thread-local state.)
         for i in self._waiting.pop(bucket.index, []):
             self._move_into_bucket(i, self.params[i])
         if self.world_size > 1:
