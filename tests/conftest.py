@@ -37,6 +37,7 @@ LAYERS = {
     "test_data_partition.py": UNIT,
     "test_ddp_buckets.py": UNIT,
     "test_readme.py": UNIT,
+    "test_shard_layout.py": UNIT,
     "test_topology.py": UNIT,
     "test_train_config.py": UNIT,
     "test_world.py": UNIT,
@@ -63,6 +64,7 @@ LAYERS = {
     "test_train_recipe.py": MULTIPROCESS,
     "test_train_resume.py": MULTIPROCESS,
     "test_verify.py": MULTIPROCESS,
+    "test_zero.py": MULTIPROCESS,
     "test_comm_bench.py": E2E,
     "test_ddp_examples.py": E2E,
     "test_docs.py": E2E,
@@ -80,6 +82,7 @@ LAYERS = {
     "test_train_e2e.py": E2E,
     "test_train_example.py": E2E,
     "test_train_fault.py": E2E,
+    "test_train_shard.py": E2E,
 }
 # file -> test functions (every parametrization) or single parametrizations ("name[id]").
 # Four ranks on two cores: every test on the 4-rank pool is slow, and so is starting it.
@@ -163,6 +166,13 @@ SLOW = {
                             "test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_matches",
                             "test_a_rank_that_stops_arriving_is_named_within_the_timeout"},
     "test_train_recipe.py": {"test_user_factories_train_the_users_module_on_the_users_data"},
+    "test_train_shard.py": {"test_sharded_run_equals_unsharded_with_half_the_optimizer_state",
+                            "test_shard_with_the_torch_engine_is_one_line_exit_2"},
+    "test_zero.py": {"test_sharded_checkpoint_resumes_at_another_world_size",
+                     "test_run_resumes_a_sharded_loop_at_another_world_size",
+                     "test_an_unsharded_checkpoint_continues_sharded_and_the_reverse_is_one_line",
+                     "test_sharded_training_is_bit_identical_to_unsharded[3-auto]",
+                     "test_sharded_training_is_bit_identical_to_unsharded[3-backend]"},
     # 1.4 s, nearly all of it the first import of torch._dynamo (by torch.optim.SGD).
     "test_train_resume.py": {"test_workers_refuse_a_checkpoint_written_with_other_settings"},
 }

@@ -61,6 +61,8 @@ def test_plain_lines_default_to_a_tenth_of_the_run_and_prefer_rank_0s_eta():
     assert len(lines) == 10 and lines[0].startswith("progress: step 10/100")
     assert lines[0].endswith("ETA 1m30s") and lines[-1].endswith("ETA 0s")
     assert describe({"step": 3}, None) == "step 3 | ETA ?"  # a terminal's first redraw
+    assert describe({"step": 3, "peak_rss_mib": [412, 405]}, None) == (
+        "step 3 | peak RSS 412/405 MiB | ETA ?")
 
 
 def _train(tmp_path, *argv, **env):
@@ -85,7 +87,8 @@ def test_train_users_factories_with_progress_lines_when_not_a_terminal(tmp_path)
     progress = [line for line in proc.stderr.splitlines() if line.startswith("progress: ")]
     assert progress, proc.stderr[-3000:]
     assert re.fullmatch(r"progress: epoch 4/4 \| step 32/32 \(100%\) \| [\d,]+ samples/s \| "
-                        r"loss \d+\.\d{4} \| ETA 0s", progress[-1]), progress[-1]
+                        r"loss \d+\.\d{4} \| peak RSS \d+/\d+ MiB \| ETA 0s", progress[-1]), \
+        progress[-1]
     assert all(re.search(r"\| ETA \d+(s|m\d\ds)$", line) for line in progress), progress
     steps = [int(re.search(r"step (\d+)/", line).group(1)) for line in progress]
     assert steps == sorted(steps) and all(b - a >= 4 for a, b in zip(steps, steps[1:])), steps

@@ -146,7 +146,7 @@ def test_the_configs_name_tables_are_the_libraries_own():
     """train/names.py copies the names so the launcher can check a config without torch."""
     from ddpkit.data.datasets import DATASETS
     from ddpkit.fault import EXIT_PREEMPTED
-    from ddpkit.parallel import COMM_CHOICES, ENGINES
+    from ddpkit.parallel import COMM_CHOICES, ENGINES, SHARD_CHOICES
     from ddpkit.train import names
     from ddpkit.train.models import MODELS
 
@@ -154,4 +154,5 @@ def test_the_configs_name_tables_are_the_libraries_own():
     assert tuple(MODELS) == names.MODELS
     assert tuple(ENGINES) == names.ENGINES
     assert tuple(COMM_CHOICES) == names.COMM_CHOICES
+    assert tuple(SHARD_CHOICES) == names.SHARD_CHOICES
     assert names.EXIT_PREEMPTED == EXIT_PREEMPTED

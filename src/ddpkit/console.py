@@ -43,8 +43,10 @@ def _duration(seconds: float) -> str:
 
 
 def describe(record: dict[str, Any], eta: float | None) -> str:
-    """``epoch 3/20 | step 36/240 (15%) | 8,123 samples/s | loss 0.4123 | ETA 12s``
-    (``ETA ?`` only on a terminal's first redraw, before any step has been timed)."""
+    """``epoch 3/20 | step 36/240 (15%) | 8,123 samples/s | loss 0.4123 | peak RSS
+    412/405 MiB | ETA 12s`` (peak RSS by rank: rank 0's now, the others' as of the last
+    epoch's metrics; ``ETA ?`` only on a terminal's first redraw, before any step has
+    been timed)."""
     parts = []
     if record.get("epochs"):
         parts.append(f"epoch {record.get('epoch', '?')}/{record['epochs']}")
@@ -59,6 +61,9 @@ def describe(record: dict[str, Any], eta: float | None) -> str:
     loss = record.get("loss")
     if isinstance(loss, (int, float)) and math.isfinite(loss):
         parts.append(f"loss {loss:.4f}")
+    memory = record.get("peak_rss_mib")
+    if isinstance(memory, list) and memory:
+        parts.append(f"peak RSS {'/'.join(f'{v:.0f}' for v in memory)} MiB")
     parts.append(f"ETA {_duration(eta) if eta is not None else '?'}")
     return " | ".join(parts)
 

@@ -3,6 +3,7 @@ applied on every rank after a load."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,14 +13,45 @@ from ddpkit.checkpoint._dist import _rank, _world_size
 from ddpkit.checkpoint.fingerprint import _config_json, config_changes, config_fingerprint
 from ddpkit.checkpoint.model_state import _preview, load_model_state, strip_module_prefix, unwrap
 from ddpkit.checkpoint.rng import gather_rng_states, set_rng_state
-from ddpkit.checkpoint.store import FORMAT, CheckpointError
+from ddpkit.checkpoint.store import FORMAT, RANK_SHARD, SHARD_FILES, Checkpointer, CheckpointError
+from ddpkit.errors import DdpkitError
 from ddpkit.log import get_logger
+from ddpkit.parallel.sharded_state import FORMAT as SHARDED_OPTIMIZER
 
 log = get_logger(__name__)
 
 
 def _config_diff(saved_json: str, current_json: str) -> str:
     return _preview(config_changes(saved_json, current_json)) or "config differs"
+
+
+def _sharded(model: Any) -> bool:
+    return getattr(model, "shard", "none") != "none"
+
+
+def _restore_sharded_optimizer(state: Mapping[str, Any], model: Any, optimizer: Any,
+                               sharded_save: bool, source: str) -> None:
+    """Each rank takes the pieces of its new shards from every saved rank's file (or from
+    the unsharded state, when the checkpoint was written without sharding)."""
+    if not sharded_save:  # written without sharding: cut it into this rank's shards
+        try:
+            model.load_unsharded_optimizer_state(optimizer, state["optimizer"])
+        except DdpkitError as err:
+            raise CheckpointError(f"{source}: {err}") from None
+        return
+    if not _sharded(model):
+        raise CheckpointError(f"{source} holds a sharded optimizer state; resume it into "
+                              "DataParallel(shard='optimizer' or 'gradients')")
+    files = state.get(SHARD_FILES)
+    if not files:
+        raise CheckpointError(f"{source}: its optimizer state is sharded but no per-rank files "
+                              "are listed with it; load it through Checkpointer.load")
+    parts = (Checkpointer(os.path.dirname(f) or ".", create=False).load(f)["optimizer"]
+             for f in files)
+    try:
+        model.load_optimizer_shards(optimizer, state["optimizer"], parts)
+    except DdpkitError as err:
+        raise CheckpointError(f"{source}: {err}") from None
 
 
 def collect_state(
@@ -47,8 +79,15 @@ def collect_state(
         "rng": gather_rng_states(),
     }
     if model is not None:
+        gather = getattr(model, "gather_parameters", None)
+        if callable(gather):  # a sharded DataParallel: every rank's updated shards first
+            gather()
         state["model"] = strip_module_prefix(unwrap(model).state_dict())
-    if optimizer is not None:
+    if optimizer is not None and _sharded(model):
+        # Each rank writes its own part; the shared payload keeps what every rank shares.
+        state["optimizer"], mine = model.optimizer_shard_state(optimizer)
+        state[RANK_SHARD] = {"optimizer": mine}
+    elif optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
@@ -94,7 +133,12 @@ def restore_state(
             raise CheckpointError(f"{source} has no {name} state; it was saved without one")
     if model is not None:
         load_model_state(model, state["model"], source)
-    if optimizer is not None:
+    saved_optimizer = state.get("optimizer")
+    sharded_save = isinstance(saved_optimizer, Mapping) and \
+        saved_optimizer.get("format") == SHARDED_OPTIMIZER
+    if optimizer is not None and (sharded_save or _sharded(model)):
+        _restore_sharded_optimizer(state, model, optimizer, sharded_save, source)
+    elif optimizer is not None:
         try:
             optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError) as err:

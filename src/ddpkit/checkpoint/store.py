@@ -42,6 +42,10 @@ log = get_logger(__name__)
 
 FORMAT = "ddpkit-checkpoint/1"
 _NAME = re.compile(r"^step_(\d{9})\.pt$")
+# one file per rank next to the payload (a sharded optimizer's state), listed in the manifest
+_SHARD_NAME = re.compile(r"^step_(\d{9})\.rank(\d{5})-of-(\d{5})\.pt$")
+RANK_SHARD = "rank_shard"  # state key: this rank's own part, written to its own file
+SHARD_FILES = "rank_shard_files"  # state key after a load: every rank's file, by rank
 _TMP_MARK = ".tmp-"
 
 
@@ -61,6 +65,7 @@ class CheckpointInfo:
     reason: str = "periodic"
     saved_at: float = 0.0
     meta: dict[str, Any] = dataclasses.field(default_factory=dict)  # caller's, via save(meta=)
+    shards: tuple[tuple[str, int, str], ...] = ()  # per-rank files: (name, bytes, sha256)
 
     @property
     def name(self) -> str:
@@ -202,10 +207,15 @@ class Checkpointer:
         if step < 0:
             raise CheckpointError(f"step must be >= 0, got {step}")
         path = self.path_for(step)
+        shards: list = []
+        if RANK_SHARD in state:  # every rank writes its own part first
+            mine = state[RANK_SHARD]
+            state = {k: v for k, v in state.items() if k != RANK_SHARD}
+            shards = self._write_rank_shards(mine, step)
         ok, message = True, ""
         if _rank() == 0:
             try:
-                self._write(state, step, reason, dict(meta or {}))
+                self._write(state, step, reason, dict(meta or {}), shards)
                 self._rotate(keep_newest=path)
             except Exception as err:  # any failure must reach the other ranks, not hang them
                 ok = False
@@ -214,8 +224,40 @@ class Checkpointer:
         _agree(ok, message)
         return path
 
+    def _write_rank_shards(self, mine: Any, step: int) -> list[tuple[str, int, str]]:
+        """Every rank writes its part atomically (temporary file, fsync, rename) and
+        learns every rank's (name, bytes, sha256); a failure anywhere raises everywhere.
+        Nothing is committed here: the manifest rank 0 writes next lists these files."""
+        name = f"step_{step:09d}.rank{_rank():05d}-of-{_world_size():05d}.pt"
+        outcome: tuple = (False, "", name, 0, "")
+        tmp = self.dir / f".{name}{_TMP_MARK}{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                writer = _HashingWriter(f)
+                torch.save(mine, writer)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / name)
+            outcome = (True, "", name, writer.size, writer.sha.hexdigest())
+        except Exception as err:  # reported to every rank below
+            outcome = (False, f"could not write {self.dir / name}: {type(err).__name__}: {err}",
+                       name, 0, "")
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        outcomes = [outcome]
+        if _initialized():
+            outcomes = [None] * _world_size()
+            dist.all_gather_object(outcomes, outcome)
+        for rank, (ok, message, *_rest) in enumerate(outcomes):
+            if not ok:
+                suffix = "" if rank == _rank() else f" (reported by rank {rank})"
+                raise CheckpointError(message + suffix)
+        return [(n, size, sha) for _ok, _m, n, size, sha in outcomes]
+
     def _write(
-        self, state: Mapping[str, Any], step: int, reason: str, meta: dict[str, Any]
+        self, state: Mapping[str, Any], step: int, reason: str, meta: dict[str, Any],
+        shards: list[tuple[str, int, str]] | None = None,
     ) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._remove_temporaries()
@@ -244,6 +286,8 @@ class Checkpointer:
                 "saved_at": time.time(),
                 "meta": meta,
             }
+            if shards:
+                manifest["shards"] = [{"file": n, "bytes": b, "sha256": h} for n, b, h in shards]
             self._write_small(manifest_path, json.dumps(manifest, indent=1).encode())
             _fsync_dir(self.dir)
         finally:
@@ -276,11 +320,18 @@ class Checkpointer:
                 continue
             self._manifest_of(info.path).unlink(missing_ok=True)  # uncommit first
             info.path.unlink(missing_ok=True)
+            for name, _size, _sha in info.shards:
+                (self.dir / name).unlink(missing_ok=True)
         newest_step = int(_NAME.match(keep_newest.name).group(1))
         for payload in self._payloads():
             step = int(_NAME.match(payload.name).group(1))
             if step < newest_step and not self._manifest_of(payload).exists():
                 payload.unlink(missing_ok=True)
+        for entry in self.dir.iterdir():
+            found = _SHARD_NAME.match(entry.name)
+            if found and int(found.group(1)) < newest_step and not self._manifest_of(
+                    self.path_for(int(found.group(1)))).exists():
+                entry.unlink(missing_ok=True)
 
     # ---------------------------------------------------------------- listing
     def _payloads(self) -> list[Path]:
@@ -309,6 +360,8 @@ class Checkpointer:
                 reason=str(meta.get("reason", "periodic")),
                 saved_at=float(meta.get("saved_at", 0.0)),
                 meta=dict(meta.get("meta") or {}),
+                shards=tuple((str(e["file"]), int(e["bytes"]), str(e["sha256"]))
+                             for e in meta.get("shards", ())),
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -324,6 +377,14 @@ class Checkpointer:
         digest, _ = _sha256_file(info.path)
         if digest != info.sha256:
             return "sha256 mismatch: the file is corrupt"
+        for name, size, sha in info.shards:
+            shard = self.dir / name
+            try:
+                actual_size = shard.stat().st_size
+            except OSError:
+                return f"per-rank file {name} is missing"
+            if actual_size != size or _sha256_file(shard)[0] != sha:
+                return f"per-rank file {name} is truncated or corrupt"
         return None
 
     def latest(self) -> CheckpointInfo | None:
@@ -378,6 +439,10 @@ class Checkpointer:
             ) from None
         if not isinstance(state, dict):
             raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict")
+        info = self._read_manifest(path)
+        if info is not None and info.shards:
+            # Not loaded here: each is read once, by whoever needs its part.
+            state[SHARD_FILES] = [str(path.parent / name) for name, _size, _sha in info.shards]
         return state
 
     def load_latest(self, map_location: Any = None) -> dict[str, Any] | None:

@@ -19,12 +19,19 @@ import csv
 import importlib.util
 import json
 import os
+import resource
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from ddpkit.errors import ConfigError
 from ddpkit.jsonfiles import json_safe, write_atomic
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory so far, in MiB (records carry every rank's)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
 
 JSONL_FILE = "metrics.jsonl"
 CSV_FILE = "metrics.csv"

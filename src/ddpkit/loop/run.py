@@ -71,7 +71,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.fault import PreemptionGuard, ProgressBoard, Watchdog, set_collective_timeout
 from ddpkit.log import get_logger
 from ddpkit.loop import inject
-from ddpkit.loop.metrics_log import MetricLog, check_writers, truncate_records
+from ddpkit.loop.metrics_log import MetricLog, check_writers, peak_rss_mib, truncate_records
 from ddpkit.loop.sample_ids import SampleLog, truncate_sample_logs
 from ddpkit.runtime import DEFAULT_TIMEOUT
 
@@ -537,22 +537,27 @@ class Run:
         """Collective: write a metrics record of the current step now (rank 0 writes it).
 
         Holds ``step``, ``epoch`` (1-based, that of the last batch), the learning rate,
-        steps per second since the last record, the mean over ranks of each of
-        ``values`` (floats or 0-dim tensors, the same names on every rank). Returns the
+        steps per second since the last record, every rank's peak RSS in MiB
+        (``rank_peak_rss_mib``), the mean over ranks of each of ``values`` (floats or
+        0-dim tensors, the same names on every rank). Returns the
         record on every rank.
         """
         out: dict[str, Any] = {"step": self.step, "epoch": self._last_epoch + 1}
         if self.optimizer is not None:
             out["lr"] = float(self.optimizer.param_groups[0]["lr"])
         names = sorted(values)
-        if names:
-            # One float64 all-reduce for all of them: the record costs one collective.
-            vals = torch.stack([torch.as_tensor(values[n]).detach().to(self.device, torch.float64)
-                                .reshape(()) for n in names])
-            if _initialized() and self.world_size > 1:
-                with self._guarded("metrics"):
-                    dist.all_reduce(vals)
-            out.update(zip(names, (vals / self.world_size).tolist(), strict=True))
+        # One float64 all-reduce for all of them: the record costs one collective. Each
+        # rank's peak memory rides in its own slot after them, so the sum lists them all.
+        vals = torch.zeros(len(names) + self.world_size, dtype=torch.float64, device=self.device)
+        for i, n in enumerate(names):
+            vals[i] = torch.as_tensor(values[n]).detach().to(self.device, torch.float64).reshape(())
+        vals[len(names) + self.rank] = peak_rss_mib()
+        if _initialized() and self.world_size > 1:
+            with self._guarded("metrics"):
+                dist.all_reduce(vals)
+        totals = vals.tolist()
+        out.update(zip(names, (v / self.world_size for v in totals[:len(names)]), strict=True))
+        out["rank_peak_rss_mib"] = [round(v) for v in totals[len(names):]]
         now = time.perf_counter()
         if self.step > self._clock_step and now > self._clock:
             out["steps_per_s"] = (self.step - self._clock_step) / (now - self._clock)

@@ -17,11 +17,12 @@ from ddpkit.parallel.ddp import DataParallel
 from ddpkit.parallel.grad_bucket import GradBucket
 from ddpkit.parallel.hooks import ring_hook
 from ddpkit.parallel.join import join
+from ddpkit.parallel.sharding import SHARD_CHOICES
 from ddpkit.parallel.transport import COMM_CHOICES
 
 ENGINES = ("ddpkit", "torch")
 _OPTIONS = ("bucket_cap_mb", "broadcast_buffers", "find_unused_parameters", "comm_hook",
-            "comm_state", "group", "first_bucket_cap_mb", "initial_bucketing", "comm")
+            "comm_state", "group", "first_bucket_cap_mb", "initial_bucketing", "comm", "shard")
 
 
 def data_parallel(module: nn.Module, engine: str = "ddpkit", **options: Any) -> nn.Module:
@@ -30,7 +31,7 @@ def data_parallel(module: nn.Module, engine: str = "ddpkit", **options: Any) -> 
     Both engines expose ``.module`` and ``.no_sync()`` and work with :func:`ddpkit.join`.
     Options: ``bucket_cap_mb``, ``broadcast_buffers``, ``find_unused_parameters``,
     ``comm_hook``, ``comm_state``, ``group``, ``comm`` (and ``first_bucket_cap_mb``,
-    ``initial_bucketing`` for ddpkit). ``comm`` under torch's engine: ``"auto"`` and
+    ``initial_bucketing``, ``shard`` for ddpkit). ``comm`` under torch's engine: ``"auto"`` and
     ``"backend"`` leave torch's reducer as it is; ``"shm"`` and ``"ring"`` register
     ddpkit's shared-memory or ring hook on it.
     """
@@ -57,6 +58,7 @@ def _torch_ddp(
     first_bucket_cap_mb: float | None = None,
     initial_bucketing: str | None = None,
     comm: str = "auto",
+    shard: str = "none",
 ) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -65,6 +67,9 @@ def _torch_ddp(
                           "torch's DDP lays out its buckets itself")
     if comm not in COMM_CHOICES:
         raise ConfigError(f"comm must be one of {', '.join(COMM_CHOICES)}, got {comm!r}")
+    if shard != "none":
+        raise ConfigError(f"shard={shard!r} is a ddpkit engine option; torch's DDP does not "
+                          "shard (torch's ZeroRedundancyOptimizer shards the optimizer state)")
     if comm in ("shm", "ring") and comm_hook is not None:
         raise ConfigError(f"comm={comm!r} and comm_hook both choose how buckets are reduced; "
                           "pass one of them")
@@ -88,4 +93,4 @@ def _torch_ddp(
     return model
 
 
-__all__ = ["DataParallel", "GradBucket", "data_parallel", "join"]
+__all__ = ["SHARD_CHOICES", "DataParallel", "GradBucket", "data_parallel", "join"]

@@ -36,10 +36,12 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddpkit import lifetime
 from ddpkit.errors import ConfigError
-from ddpkit.parallel import torch_compat, transport
+from ddpkit.parallel import sharded_state, torch_compat, transport
 from ddpkit.parallel.buckets import Allocator, size_limits
 from ddpkit.parallel.join_state import TorchJoinHook
 from ddpkit.parallel.reducer import CommHook, Reducer
+from ddpkit.parallel.scatter_reducer import ScatterReducer
+from ddpkit.parallel.sharding import Sharding, agree_on_mode, check_mode
 from ddpkit.parallel.state_sync import broadcast_coalesced, verify_same_layout
 
 
@@ -113,6 +115,9 @@ class DataParallel(nn.Module, Joinable):
             from the first step) or ``"single"`` (one bucket per device and dtype in
             registration order, reduced at the end: torch 2.x's layout, which makes results
             bit-identical to torch DDP's at any world size).
+        shard: ``"none"`` (default), ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2):
+            ``model.parameters()`` then yields this rank's flat shards, so the optimizer
+            built on them holds 1/W of the state (see :mod:`ddpkit.parallel.sharding`).
     """
 
     def __init__(
@@ -144,6 +149,7 @@ class DataParallel(nn.Module, Joinable):
         first_bucket_cap_mb: float | None = None,
         initial_bucketing: str = "reverse",
         comm: str | CommHook = "auto",
+        shard: str = "none",
     ):
         super().__init__()
         Joinable.__init__(self)
@@ -189,6 +195,10 @@ class DataParallel(nn.Module, Joinable):
             limits = size_limits(bucket_cap_mb, first_bucket_cap_mb)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        self.shard = check_mode(shard)
+        if self.shard != "none" and comm_hook is not None:
+            raise ConfigError(f"shard={shard!r} reduce-scatters the buckets itself; a comm hook "
+                              "needs shard='none'")
         if initial_bucketing not in ("reverse", "single"):
             raise ConfigError(
                 f"initial_bucketing must be 'reverse' or 'single', got {initial_bucketing!r}")
@@ -202,6 +212,7 @@ class DataParallel(nn.Module, Joinable):
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.require_backward_grad_sync = True
+        self._sharding: Sharding | None = None
         self._join_state = None  # set by ddpkit.join while its context is open
         self._torch_join_state = None  # set by torch's Join through join_hook()
 
@@ -221,7 +232,8 @@ class DataParallel(nn.Module, Joinable):
         self.transport = transport.build(
             wanted, sorted({p.device.type for _, p in trainable}), group)
         self.comm = self.transport.name
-        self.reducer = Reducer(
+        reducer_class = ScatterReducer if self.shard == "gradients" else Reducer
+        self.reducer = reducer_class(
             [p for _, p in trainable],
             [n for n, _ in trainable],
             group,
@@ -233,6 +245,9 @@ class DataParallel(nn.Module, Joinable):
             initial_bucketing=initial_bucketing,
             transport=self.transport,
         )
+        agree_on_mode(self.shard, group)
+        self._sharding = (None if self.shard == "none"
+                          else Sharding(self.shard, self.reducer, self.transport, group))
 
     # -- forward -------------------------------------------------------------------------
 
@@ -246,6 +261,12 @@ class DataParallel(nn.Module, Joinable):
         return self.module(*args, **kwargs)
 
     def _before_forward(self) -> None:
+        if self._sharding is not None:
+            if self._join_state is not None or self._torch_join_state is not None:
+                raise ConfigError(f"join() with shard={self.shard!r} is not supported: every "
+                                  "rank's optimizer step updates its own shard; give every "
+                                  "rank the same number of batches, or use shard='none'")
+            self._sharding.before_forward()
         if self._torch_join_state is not None and self._join_config.enable:
             # torch's Join counts iterations through this all-reduce, before ours.
             Join.notify_join_context(self)
@@ -338,6 +359,85 @@ class DataParallel(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = previous
 
+    # -- sharding (shard="optimizer" | "gradients"); plain pass-throughs with "none" -------
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The module's parameters, or with sharding this rank's flat shards (what the
+        optimizer should hold)."""
+        if self._sharding is None:
+            return super().parameters(recurse)
+        return iter(self._sharding.params.shards)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        if self._sharding is None:
+            return super().named_parameters(prefix, recurse, remove_duplicate)
+        dot = f"{prefix}." if prefix else ""
+        return iter([(dot + name, p) for name, p in self._sharding.params.named()])
+
+    def gather_parameters(self) -> None:
+        """Give the wrapped module the full updated parameters now (collective; with
+        sharding the next forward and ``state_dict()`` do it by themselves; nothing to do
+        without sharding). Call it before reading ``model.module``'s weights directly."""
+        if self._sharding is not None and self._sharding.params.stale:
+            self._sharding.params.gather()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """torch's state dict of the full (unsharded) module, ``module.`` prefixed."""
+        self.gather_parameters()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self._sharding is not None:
+            self._sharding.params.stale = False  # every rank loaded the same full values
+        return result
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch's ``clip_grad_norm_`` on the gradients the optimizer will use (this rank's
+        shards with sharding: the norm is then over every rank's); returns the total norm."""
+        if self._sharding is None:
+            return torch.nn.utils.clip_grad_norm_(self.reducer.params, max_norm, norm_type)
+        return self._sharding.clip_grad_norm_(max_norm, norm_type)
+
+    def optimizer_shard_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+        """With sharding: (what every rank shares, this rank's part) of the optimizer's
+        state, cut by parameter so that any world size can load it
+        (:mod:`ddpkit.parallel.sharded_state`; ddpkit's checkpoints store the parts as
+        one file per rank)."""
+        if self._sharding is None:
+            raise ConfigError("optimizer_shard_state needs DataParallel(shard='optimizer' or "
+                              "'gradients'); without sharding use optimizer.state_dict()")
+        return sharded_state.split_state(optimizer, self._sharding.params, self.reducer.names)
+
+    def load_optimizer_shards(self, optimizer: torch.optim.Optimizer, common: Any,
+                              parts: Any) -> None:
+        """Give ``optimizer`` this rank's shard of a state saved by
+        :meth:`optimizer_shard_state` on every rank of a run of any world size (``parts``:
+        each saved rank's part, any order)."""
+        if self._sharding is None:
+            raise ConfigError("load_optimizer_shards needs DataParallel(shard='optimizer' or "
+                              "'gradients'); this model is not sharded")
+        sharded_state.load_state(optimizer, self._sharding.params, self.reducer.names, common,
+                                 parts)
+
+    def load_unsharded_optimizer_state(self, optimizer: torch.optim.Optimizer,
+                                       state_dict: Any) -> None:
+        """Give ``optimizer`` this rank's shard of an unsharded optimizer's
+        ``state_dict()`` (one built on the module's parameters): a run continues sharded
+        from a checkpoint written without sharding."""
+        if self._sharding is None:
+            raise ConfigError("load_unsharded_optimizer_state needs DataParallel(shard=...); "
+                              "without sharding use optimizer.load_state_dict()")
+        common, part = sharded_state.from_unsharded(
+            state_dict, self.reducer.params, self.reducer.names, self.reducer.bucket_of,
+            len(self.reducer.buckets))
+        self.load_optimizer_shards(optimizer, common, [part])
+
+    def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes of tensors the optimizer keeps as state on this rank."""
+        return sharded_state.state_bytes(optimizer)
+
     def bucket_layout(self) -> list[list[str]]:
         """Parameter names per gradient bucket, in the order buckets are reduced."""
         return self.reducer.bucket_sizes()
@@ -345,8 +445,8 @@ class DataParallel(nn.Module, Joinable):
     def extra_repr(self) -> str:
         sizes = [sum(self.reducer.params[i].numel() for i in b.param_indices)
                  for b in self.reducer.buckets]
-        return (f"world_size={self.world_size}, comm={self.comm}, buckets={len(sizes)} "
-                f"(numel {sizes})")
+        return (f"world_size={self.world_size}, comm={self.comm}, shard={self.shard}, "
+                f"buckets={len(sizes)} (numel {sizes})")
 
 
 # Collectives and Python-side bookkeeping: under torch.compile they run eagerly (a graph

@@ -62,6 +62,18 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype)
 
 
+def initial_assignment(params: Sequence[torch.Tensor], limits: Sequence[int],
+                       initial_bucketing: str) -> list[list[int]]:
+    """Buckets before the first backward has shown the real gradient order."""
+    if initial_bucketing == "reverse":
+        return assign_buckets(params, list(reversed(range(len(params)))), limits)
+    if initial_bucketing == "single":
+        # torch >= 2.x's choice: until the real order is known, one bucket per
+        # (device, dtype) in registration order, reduced after the whole backward.
+        return assign_buckets(params, list(range(len(params))), [2**62])
+    raise ValueError(f"initial_bucketing must be 'reverse' or 'single', got {initial_bucketing!r}")
+
+
 class Reducer:
     def __init__(
         self,
@@ -89,16 +101,7 @@ class Reducer:
         # how the default path sums a bucket (ddpkit.parallel.transport); None: backend
         self.transport = transport
 
-        if initial_bucketing == "reverse":
-            reverse = list(reversed(range(len(self.params))))
-            initial = assign_buckets(self.params, reverse, self.limits)
-        elif initial_bucketing == "single":
-            # torch >= 2.x's choice: until the real order is known, one bucket per
-            # (device, dtype) in registration order, reduced after the whole backward.
-            initial = assign_buckets(self.params, list(range(len(self.params))), [2**62])
-        else:
-            raise ValueError(
-                f"initial_bucketing must be 'reverse' or 'single', got {initial_bucketing!r}")
+        initial = initial_assignment(self.params, self.limits, initial_bucketing)
         self.assignment = initial
         self._install(build_buckets(self.params, self.assignment, allocate))
 
@@ -111,6 +114,8 @@ class Reducer:
         self.synced_iterations = 0
         self.ready_order: list[int] = []
         self.rebuilt = False
+        # called once every bucket of a synchronized backward is reduced (sharding)
+        self.after_backward: list[Callable[[], None]] = []
         # A transport whose all-reduce runs on the calling thread and returns complete
         # (shm on CPU buckets) overlaps nothing with backward when launched early: every
         # early launch is only one more point where this rank waits for its slowest peer,
@@ -231,6 +236,12 @@ class Reducer:
             self._launch_ready_buckets()
 
     def _mark_ready(self, i: int, param: torch.Tensor) -> None:
+        self._move_into_bucket(i, param)
+        self._count_ready(i)
+
+    def _move_into_bucket(self, i: int, param: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient into its bucket slot (scaled on the default path);
+        ``param.grad`` becomes that slot."""
         view = self.views[i]
         grad = param.grad
         scale = self.comm_hook is None and self.divisor != 1
@@ -251,7 +262,6 @@ class Reducer:
             else:
                 view.copy_(grad)
         param.grad = view
-        self._count_ready(i)
 
     def _count_ready(self, i: int) -> None:
         """Bookkeeping once parameter ``i``'s gradient is in its bucket."""
@@ -322,6 +332,8 @@ class Reducer:
                     if not globally_used[i] and not had_grad[i]:
                         self.params[i].grad = None
             self.synced_iterations += 1
+            for callback in self.after_backward:
+                callback()
         finally:
             self.armed = False
 

@@ -101,6 +101,23 @@ def group_timeout(group) -> float | None:
     return timeout.total_seconds() if isinstance(timeout, timedelta) else None
 
 
+def all_gather_chunks_padded(flat: torch.Tensor, bounds: Sequence[int], group) -> None:
+    """The backend's uneven in-place all-gather: chunks padded to the longest one."""
+    ranks = len(bounds) - 1
+    sizes = [bounds[r + 1] - bounds[r] for r in range(ranks)]
+    longest = max(sizes)
+    if longest == 0:
+        return
+    me = dist.get_rank(group)
+    mine = torch.zeros(longest, dtype=flat.dtype, device=flat.device)
+    mine[:sizes[me]].copy_(flat[bounds[me]:bounds[me + 1]])
+    gathered = [torch.empty_like(mine) for _ in range(ranks)]
+    dist.all_gather(gathered, mine, group=group)
+    for r in range(ranks):
+        if r != me:
+            flat[bounds[r]:bounds[r + 1]].copy_(gathered[r][:sizes[r]])
+
+
 class BackendTransport:
     """torch's all_reduce on the group's backend (gloo, NCCL): private bucket memory."""
 
@@ -115,6 +132,16 @@ class BackendTransport:
 
     def all_reduce(self, buffer: torch.Tensor):
         return dist.all_reduce(buffer, group=self.group, async_op=True)
+
+    def reduce_scatter(self, buffer: torch.Tensor):
+        """A sharded engine's bucket collective: this rank's chunk of ``buffer``
+        (:func:`ddpkit.parallel.shard_layout.bucket_shards`) summed; here the whole
+        bucket, by the same all-reduce, so the bits are the unsharded engine's."""
+        return self.all_reduce(buffer)
+
+    def all_gather_chunks(self, flat: torch.Tensor, bounds: Sequence[int]) -> None:
+        """Every rank gets group rank r's ``flat[bounds[r]:bounds[r + 1]]`` (in place)."""
+        all_gather_chunks_padded(flat, bounds, self.group)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int, *,
                   every_step: bool = False) -> None:
@@ -194,6 +221,23 @@ class ShmTransport:
             return dist.all_reduce(buffer, group=self.group, async_op=True)
         self.comm.all_reduce(buffer, "sum")
         return None
+
+    def reduce_scatter(self, buffer: torch.Tensor):
+        """Sum only this rank's chunk of a private bucket (the chunk the in-place
+        all-reduce sums, added in the same order); across hosts the whole bucket."""
+        if buffer.device.type != "cpu":
+            return dist.all_reduce(buffer, group=self.group, async_op=True)
+        if self.comm.nhosts > 1:
+            self.comm.all_reduce(buffer, "sum")
+        else:
+            self.comm.reduce_scatter_chunks(buffer)
+        return None
+
+    def all_gather_chunks(self, flat: torch.Tensor, bounds: Sequence[int]) -> None:
+        if self.comm.nhosts > 1 or flat.device.type != "cpu":
+            all_gather_chunks_padded(flat, bounds, self.group)
+        else:
+            self.comm.all_gather_chunks(flat, list(bounds))
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int, *,
                   every_step: bool = False) -> None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import ConfigError
-from ddpkit.train.names import COMM_CHOICES, DATASETS, ENGINES, MODELS
+from ddpkit.train.names import COMM_CHOICES, DATASETS, ENGINES, MODELS, SHARD_CHOICES
 from ddpkit.train.recipe import OPTIMIZERS, PRECISIONS, SCHEDULES, check_factory_spec
 
 # Command-line groups a flag can belong to (`ddpkit verify` takes only TRAINING).
@@ -117,6 +117,9 @@ class TrainConfig:
     comm: str = flag("--comm", "how gradient buckets are all-reduced: auto (shared memory "
                      "for CPU ranks on one host, the backend otherwise), backend, ring or shm "
                      "(default: auto)", default="auto", metavar="COMM")
+    shard: str = flag("--shard", "ZeRO sharding: none, optimizer (optimizer state split across "
+                      "ranks) or gradients (and gradients too) (default: none)",
+                      default="none", choices=SHARD_CHOICES)
     out_dir: str = flag("--out-dir", "parent of the new run directory (default: runs/)",
                         default="runs")
     progress: bool = flag("--no-progress", "no progress bar", default=True)
@@ -251,6 +254,11 @@ class Config:
             raise bad("--engine", f"{t.engine!r} is not one of {', '.join(ENGINES)}")
         if t.comm not in COMM_CHOICES:
             raise bad("--comm", f"{t.comm!r} is not one of {', '.join(COMM_CHOICES)}")
+        if t.shard not in SHARD_CHOICES:
+            raise bad("--shard", f"{t.shard!r} is not one of {', '.join(SHARD_CHOICES)}")
+        if t.shard != "none" and t.engine != "ddpkit":
+            raise bad("--shard", f"{t.shard!r} needs --engine ddpkit (torch's DDP does not "
+                      "shard; torch's ZeroRedundancyOptimizer is the nearest)")
         if t.threads < 0:
             raise bad("train.threads", f"must be >= 0, got {t.threads}")
         if not t.out_dir:

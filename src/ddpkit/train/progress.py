@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from ddpkit.console import PROGRESS_ENV
+from ddpkit.loop.metrics_log import peak_rss_mib
 
 WRITE_EVERY_S = 0.25  # records per second to the launcher, at most about 4
 
@@ -77,11 +78,20 @@ class FileBar:
         record = {"step": t.loop.step, "total_steps": total,
                   "epoch": self.epoch + 1, "epochs": t.cfg.train.epochs,
                   "samples_per_s": self.seen / elapsed if elapsed > 0 else None,
-                  "loss": loss if math.isfinite(loss) else None, "eta_s": eta}
+                  "loss": loss if math.isfinite(loss) else None, "eta_s": eta,
+                  # every rank's peak as of the last epoch's metrics, this rank's now
+                  "peak_rss_mib": _with_mine(getattr(t, "rank_peak_rss_mib", None))}
         try:
             self.file.write(json.dumps(record) + "\n")
         except OSError:
             self.file = None
+
+
+def _with_mine(by_rank: list[float] | None) -> list[float]:
+    """Every rank's peak RSS, with this rank's (rank 0's) own brought up to now."""
+    values = list(by_rank) if by_rank else [0.0]
+    values[0] = max(values[0], peak_rss_mib())
+    return [round(v) for v in values]
 
 
 def _tqdm_bar(epochs: int, epoch: int, total: int | None) -> Any:

@@ -265,16 +265,19 @@ class Precision:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor],
-             clip: float | None = None) -> torch.Tensor | None:
-        """Unscale, clip to ``clip`` (total 2-norm over ``params``), step; returns the
-        norm before clipping (None without clipping)."""
+             clip: float | None = None, clip_with: Callable | None = None
+             ) -> torch.Tensor | None:
+        """Unscale, clip to ``clip`` (total 2-norm over ``params``, or ``clip_with(clip)``:
+        a sharded model's own, over every rank's shards), step; returns the norm before
+        clipping (None without clipping)."""
         import torch
 
         norm = None
         if clip is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(params, clip)
+            norm = (clip_with(clip) if clip_with is not None
+                    else torch.nn.utils.clip_grad_norm_(params, clip))
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()

@@ -53,6 +53,7 @@ from ddpkit.fault import PreemptionGuard, Watchdog
 from ddpkit.log import get_logger
 from ddpkit.loop import Run
 from ddpkit.parallel import data_parallel
+from ddpkit.parallel.sharded_state import state_bytes
 from ddpkit.train import progress, recipe, report
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums, gather_floats
@@ -132,12 +133,17 @@ class Trainer:
         # The model is already on self.device and so are the batches, so neither engine
         # needs device_ids (torch DDP infers a single-device module's device).
         self.model = (wrap(module, t.engine, self.device) if wrap is not None
-                      else data_parallel(module, engine=t.engine, comm=t.comm))
+                      else data_parallel(module, engine=t.engine, comm=t.comm,
+                                         **({} if t.shard == "none" else {"shard": t.shard})))
         # What actually runs: a custom ``wrap`` may not use the engine requested.
         self.engine = "torch" if type(self.model).__module__.startswith("torch.") else t.engine
         # Dropout masks should differ between ranks but still follow from the seed.
         torch.manual_seed(t.seed + 1 + world.rank)
-        self.optimizer = recipe.build_optimizer(unwrap(self.model).parameters(), cfg.optim)
+        # Sharded: the optimizer holds this rank's flat shards (and their state) only.
+        self.sharded = getattr(self.model, "shard", "none") != "none"
+        self.optimizer = recipe.build_optimizer(
+            (self.model if self.sharded else unwrap(self.model)).parameters(), cfg.optim)
+        self.rank_peak_rss_mib: list[float] = []  # every rank's, as of the last epoch
         self.precision = recipe.Precision(t.precision, self.device)
         self.total_steps = t.epochs * recipe.steps_per_epoch(
             len(train_set), t.batch_size, t.grad_accum, cfg.data.drop_last)
@@ -338,6 +344,7 @@ class Trainer:
             mine = sums.local()
             rank_loss = gather_floats(mine.loss, self.device)
             rank_samples = [int(v) for v in gather_floats(mine.count, self.device)]
+            self.rank_peak_rss_mib = gather_floats(progress.peak_rss_mib(), self.device)
         self._sums = None
         return {
             "train_loss": totals.loss,
@@ -345,6 +352,7 @@ class Trainer:
             "train_samples": int(totals.count),
             "rank_train_loss": rank_loss,
             "rank_train_samples": rank_samples,
+            "rank_peak_rss_mib": self.rank_peak_rss_mib,
             "train_time_s": seconds,
             "samples_per_s": seen / seconds if seconds > 0 else float("nan"),
         }
@@ -369,11 +377,14 @@ class Trainer:
                 self.precision.backward(losses.sum() * scale)
             correct = out[: batch.num_real].argmax(dim=1) == y[: batch.num_real]
             sums.add(losses.detach(), correct)
-        self.precision.step(self.optimizer, unwrap(self.model).parameters(), o.clip_grad_norm)
+        self.precision.step(self.optimizer, unwrap(self.model).parameters(), o.clip_grad_norm,
+                            clip_with=self.model.clip_grad_norm_ if self.sharded else None)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         """Test loss/accuracy over the whole test set, padding excluded (a collective)."""
+        if self.sharded:  # every rank's updated shards into the module (collective)
+            self.model.gather_parameters()
         model = unwrap(self.model)  # weights are in sync: no engine, no collectives
         model.eval()
         sums = MetricSums(self.device)
@@ -451,7 +462,8 @@ class Trainer:
             f"epoch {record['epoch']}/{self.cfg.train.epochs}: "
             f"train loss {record['train_loss']:.4f} acc {100 * record['train_acc']:.2f}% | "
             f"test loss {record['test_loss']:.4f} acc {100 * record['test_acc']:.2f}% | "
-            f"{record['samples_per_s']:,.0f} samples/s | loss by rank [{ranks}]"
+            f"{record['samples_per_s']:,.0f} samples/s | loss by rank [{ranks}] | peak RSS "
+            f"by rank [{', '.join(f'{v:.0f}' for v in record['rank_peak_rss_mib'])}] MiB"
         )
 
     def _summary(self, seconds: float) -> dict[str, Any]:
@@ -467,6 +479,9 @@ class Trainer:
             "world_size": self.world.world_size,
             "engine": self.engine,
             "engine_requested": self.cfg.train.engine,
+            "shard": getattr(self.model, "shard", "none"),
+            "rank_peak_rss_mib": self.rank_peak_rss_mib,
+            "optimizer_state_mib": state_bytes(self.optimizer) / 2**20,
             "wrapper": f"{type(self.model).__module__}.{type(self.model).__name__}",
             "num_parameters": self.num_parameters,
             "global_batch_size": self.cfg.train.batch_size,

@@ -96,7 +96,9 @@ class _Allocation:
         return [whole[r * size:(r + 1) * size] for r in range(nranks)]
 
 
-def _chunk_bounds(numel: int, itemsize: int, parts: int) -> list[int]:
+def chunk_bounds(numel: int, itemsize: int, parts: int) -> list[int]:
+    """Where ``parts`` ranks split ``numel`` elements: rank i reduces [b[i], b[i+1]).
+    Boundaries fall on cache lines, so no two ranks write one line."""
     align = max(1, ALIGN_BYTES // itemsize)
     bounds = [min(numel, (numel * i // parts) // align * align) for i in range(parts)]
     return bounds + [numel]
@@ -495,7 +497,7 @@ class ShmCommunicator:
             parity = self._next_half()
             slots = [h[: count * itemsize].view(flat.dtype) for h in self._halves[parity]]
             mine, piece = slots[self.me], flat[start:start + count]
-            bounds = _chunk_bounds(count, itemsize, self.local_size)
+            bounds = chunk_bounds(count, itemsize, self.local_size)
             lo, hi = bounds[self.me], bounds[self.me + 1]
             # peers need every chunk but the one this rank reduces: before it and after
             mine[:lo].copy_(piece[:lo])
@@ -513,7 +515,7 @@ class ShmCommunicator:
                 piece[a:b].copy_(slots[peer][a:b])
 
     def _reduce_my_chunk(self, regions: list[torch.Tensor], op: str, divisor) -> None:
-        bounds = _chunk_bounds(regions[0].numel(), regions[0].element_size(), self.local_size)
+        bounds = chunk_bounds(regions[0].numel(), regions[0].element_size(), self.local_size)
         lo, hi = bounds[self.me], bounds[self.me + 1]
         mine = regions[self.me]
         others = [r for i, r in enumerate(regions) if i != self.me]
@@ -618,6 +620,82 @@ class ShmCommunicator:
                 block = out[r * m + start: r * m + start + count]
                 block.copy_(src[start:start + count] if r == self.me
                             else self._area(half, r, count, dtype))
+
+    def reduce_scatter_chunks(self, flat: torch.Tensor) -> torch.Tensor:
+        """Sum a contiguous 1-D ``flat`` so that this rank's chunk of it,
+        ``chunk_bounds(numel, itemsize, ranks)[me:me + 2]``, holds the result, added in
+        exactly the order :meth:`all_reduce` adds it (a sharded optimizer's gradients
+        then carry the unsharded engine's bits); the rest of ``flat`` is left as it was,
+        except where the message is small enough for all_reduce's one-barrier path,
+        which is then taken whole. One host; ``flat`` may be private: peers' parts of
+        this rank's chunk arrive through the slot halves."""
+        self._check_open()
+        self._single_host("reduce_scatter_chunks")
+        if not flat.is_contiguous() or flat.dim() != 1:
+            raise CommError(f"reduce_scatter_chunks needs a contiguous 1-D tensor, got shape "
+                            f"{tuple(flat.shape)}")
+        if flat.numel() * flat.element_size() <= SMALL_BYTES:
+            return self.all_reduce(flat, "sum")
+        code = self._code("reduce_scatter", "sum", flat.dtype)[1]
+        n, dtype = self.local_size, flat.dtype
+        bounds = chunk_bounds(flat.numel(), flat.element_size(), n)
+        sizes = [bounds[r + 1] - bounds[r] for r in range(n)]
+        step = max(1, len(self._halves[0][0]) // (flat.element_size() * n))
+        kernel = ops.kernel("sum")
+        parity = self._next_call()
+        for start in range(0, max(max(sizes), 1), step):
+            half = self._next_half()
+            # my half holds, at block j, the piece of chunk j that rank j sums
+            staged = self._area(half, self.me, n * step, dtype)
+            for j in self.control.peers:
+                count = max(0, min(sizes[j] - start, step))
+                if count:
+                    at = bounds[j] + start
+                    staged[j * step:j * step + count].copy_(flat[at:at + count])
+            if start == 0:
+                self._arrive_checked((flat.numel(), code, -1, -1), parity)
+            else:
+                self.control.barrier()
+            count = max(0, min(sizes[self.me] - start, step))
+            if count:
+                at = bounds[self.me] + start
+                acc = flat[at:at + count]
+                for peer in self.control.peers:  # own part first, then rank order
+                    theirs = self._area(half, peer, n * step, dtype)
+                    kernel(acc, acc, theirs[self.me * step:self.me * step + count])
+        return flat
+
+    def all_gather_chunks(self, flat: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+        """In place on a contiguous 1-D ``flat``: every rank gets group rank r's elements
+        ``flat[bounds[r]:bounds[r + 1]]`` from rank r (uneven chunks, e.g. the shards a
+        sharded optimizer has just updated). One host; pieces go through the slot halves,
+        so peers touch no memory of each other's but the slots."""
+        self._check_open()
+        self._single_host("all_gather_chunks")
+        if not flat.is_contiguous() or flat.dim() != 1 or len(bounds) != self.local_size + 1:
+            raise CommError(f"all_gather_chunks needs a contiguous 1-D tensor and "
+                            f"{self.local_size + 1} bounds, got shape {tuple(flat.shape)} and "
+                            f"{len(bounds)} bounds")
+        code = self._code("all_gather", "-", flat.dtype)[1]
+        sizes = [bounds[r + 1] - bounds[r] for r in range(self.local_size)]
+        step = len(self._halves[0][0]) // flat.element_size()
+        parity = self._next_call()
+        for start in range(0, max(max(sizes), 1), step):
+            half = self._next_half()
+            count = max(0, min(sizes[self.me] - start, step))
+            if count:
+                at = bounds[self.me] + start
+                self._area(half, self.me, count, flat.dtype).copy_(flat[at:at + count])
+            if start == 0:
+                self._arrive_checked((flat.numel(), code, -1, -1), parity)
+            else:
+                self.control.barrier()
+            for peer in self.control.peers:
+                theirs = max(0, min(sizes[peer] - start, step))
+                if theirs:
+                    at = bounds[peer] + start
+                    flat[at:at + theirs].copy_(self._area(half, peer, theirs, flat.dtype))
+        return flat
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                        op: str | dist.ReduceOp = "sum", *, signature: int | None = None

@@ -1,0 +1,56 @@
+"""`ddpkit train --shard`: the same run as unsharded, with 1/W of the optimizer state per
+rank, per-rank memory in the log and summary, and one checkpoint file per rank."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from ddpkit.train.report import read_jsonl
+
+
+def _train(out, shard):
+    argv = ["--epochs", "1", "--seed", "3", "--optimizer", "adamw", "--lr", "0.001",
+            "--out-dir", str(out), "--shard", shard, "--no-progress"]
+    proc = subprocess.run([sys.executable, "-m", "ddpkit.cli", "train", "--nproc-per-node", "2",
+                           *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()
+    return run_dir, proc.stderr
+
+
+def test_sharded_run_equals_unsharded_with_half_the_optimizer_state(tmp_path):
+    plain_dir, _ = _train(tmp_path / "plain", "none")
+    run_dir, stderr = _train(tmp_path / "sharded", "gradients")
+    plain = torch.load(plain_dir / "model.pt", weights_only=True)
+    sharded = torch.load(run_dir / "model.pt", weights_only=True)
+    assert plain.keys() == sharded.keys()
+    assert all(torch.equal(plain[k], sharded[k]) for k in plain)  # W = 2: the same bits
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    plain_summary = json.loads((plain_dir / "summary.json").read_text())
+    assert summary["shard"] == "gradients" and plain_summary["shard"] == "none"
+    assert summary["optimizer_state_mib"] < 0.55 * plain_summary["optimizer_state_mib"]
+    assert len(summary["rank_peak_rss_mib"]) == 2 and min(summary["rank_peak_rss_mib"]) > 50
+    (record,) = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(record["rank_peak_rss_mib"]) == 2
+    assert "peak RSS by rank [" in stderr
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["train"]["shard"] == "gradients"
+    files = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert "step_000000012.rank00000-of-00002.pt" in files
+    assert "step_000000012.rank00001-of-00002.pt" in files
+    manifest = json.loads((run_dir / "checkpoints" / "step_000000012.json").read_text())
+    assert [s["file"] for s in manifest["shards"]] == [
+        "step_000000012.rank00000-of-00002.pt", "step_000000012.rank00001-of-00002.pt"]
+
+
+def test_shard_with_the_torch_engine_is_one_line_exit_2(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ddpkit.cli", "train", "--engine", "torch",
+                           "--shard", "optimizer", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "ddpkit train: error: --shard 'optimizer' needs --engine ddpkit (torch's DDP does not "
+        "shard; torch's ZeroRedundancyOptimizer is the nearest)"]
