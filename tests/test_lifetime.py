@@ -50,6 +50,16 @@ def test_per_group_entries_go_with_their_group(clean_env):
     assert cache.values() == []
 
 
+def test_per_group_pop_hands_the_entry_over_without_dropping_it(clean_env):
+    dropped = []
+    cache = lifetime.PerGroup(on_drop=dropped.append)
+    with ddpkit.distributed():
+        cache.set(None, "default")
+        assert cache.pop(None) == "default"
+        assert cache.pop(None, "gone") == "gone" and None not in cache
+    assert dropped == [], "a popped entry belongs to the caller: on_drop must not run"
+
+
 def test_groups_and_lanes_are_gone_after_shutdown(clean_env):
     before = group_threads()
     with ddpkit.distributed():

@@ -149,6 +149,15 @@ class PerGroup:
         if self._on_drop is not None and found[1] is not None:
             self._on_drop(found[1])
 
+    def pop(self, group, default=None):
+        """Remove ``group``'s entry and return it (``on_drop`` does not run: the caller owns it)."""
+        pg = _resolve(group)
+        found = self._values.get(id(pg))
+        if found is None or found[0]() is not pg:
+            return default
+        del self._values[id(pg)]
+        return found[1]
+
     def values(self) -> list:
         return [v for ref, v in self._values.values() if ref() is not None]
 

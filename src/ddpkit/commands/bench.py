@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 from ddpkit.commands import bench_shm
+from ddpkit.commands.out_dir import fresh_dir
 from ddpkit.errors import ConfigError
 
 
@@ -61,7 +61,7 @@ def run_collectives(args) -> int:
         threads=args.threads,
     )
     bench.validate(cfg)
-    out_dir = args.out_dir or _fresh_dir(os.path.join("runs", "bench-collectives"))
+    out_dir = args.out_dir or fresh_dir(os.path.join("runs", "bench-collectives"))
     if args.threads is not None and args.threads < 1:
         raise ConfigError("--threads must be >= 1")
     bench.check_out_dir(out_dir, cfg.op)  # refuse before minutes of measuring, not after
@@ -72,15 +72,6 @@ def run_collectives(args) -> int:
     paths = bench.write_outputs(result, out_dir, plot=not args.no_plot)
     print(f"# wrote {', '.join(paths)}")
     return 0
-
-
-def _fresh_dir(prefix: str) -> str:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, n = f"{prefix}-{stamp}", 1
-    while os.path.exists(path):
-        n += 1
-        path = f"{prefix}-{stamp}-{n}"
-    return path
 
 
 # Order here is the order in `ddpkit bench --help`.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
+from ddpkit.commands.out_dir import fresh_dir
 from ddpkit.errors import ConfigError
 
 
@@ -50,7 +50,7 @@ def run(args) -> int:
         raise ConfigError(f"--sizes {args.sizes!r}: give one or more sizes >= 1 byte")
     if args.budget <= 0:
         raise ConfigError(f"--budget must be positive, got {args.budget}")
-    out_dir = args.out_dir or f"runs/bench-shm-{time.strftime('%Y%m%d-%H%M%S')}"
+    out_dir = args.out_dir or fresh_dir(os.path.join("runs", "bench-shm"))
     if os.path.exists(os.path.join(out_dir, "shm.json")):
         raise ConfigError(f"{out_dir}/shm.json exists; pass another --out-dir")
     print(f"ddpkit bench shm: {args.nproc} ranks, {len(sizes)} sizes; progress below",

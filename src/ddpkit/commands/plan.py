@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from ddpkit.commands.out_dir import fresh_dir
 from ddpkit.errors import ConfigError
 from ddpkit.plan.model import DEVICES, PRESETS
 
@@ -279,7 +280,7 @@ def run_project(args) -> int:
                            algos, args.overlap, args.nics_per_node)
     print(project.format_table(rows, workload, intra, inter, args.gpus_per_node, args.overlap,
                                args.nics_per_node))
-    out_dir = Path(args.out_dir or f"runs/plan-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir = Path(args.out_dir or fresh_dir(os.path.join("runs", "plan")))
     csv_path, png_path = out_dir / "plan.csv", out_dir / "plan.png"
     taken = [p for p in (csv_path, png_path) if p.exists()]
     if taken:
