@@ -36,6 +36,7 @@ LAYERS = {
     "test_data_datasets.py": UNIT,
     "test_data_partition.py": UNIT,
     "test_ddp_buckets.py": UNIT,
+    "test_exact_sum.py": UNIT,
     "test_readme.py": UNIT,
     "test_shard_layout.py": UNIT,
     "test_topology.py": UNIT,

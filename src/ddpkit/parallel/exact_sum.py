@@ -29,7 +29,8 @@ then division is bounded by ``u |g| + (V - 1) u sum_k |g_k| / V``; since
 ``2^-P = 2^(ceil(log2 V) - 53)`` is below ``(V - 1) u / V`` by a factor of 2^25 or
 more for any V >= 2, the exact mean is never worse than float32 summation's own
 bound, and in practice better: it rounds once, at the end, where float32 summation
-rounds at every partial sum. At V = 1 it returns the term itself. Maxima in float32's
+rounds at every partial sum. At V = 1 it returns the term itself. Zeros come out as
++0 (the float64 sums start from +0). Maxima in float32's
 subnormal range keep the same relative grid (the scale is applied as two factors
 when it exceeds 2^126), so the bound holds down to the smallest float32.
 
