@@ -54,6 +54,7 @@ LAYERS = {
     "test_ddp.py": MULTIPROCESS,
     "test_ddp_comm.py": MULTIPROCESS,
     "test_ddp_steady_state.py": MULTIPROCESS,
+    "test_exact.py": MULTIPROCESS,
     "test_fault.py": MULTIPROCESS,
     "test_lifetime.py": MULTIPROCESS,
     "test_logging.py": MULTIPROCESS,
