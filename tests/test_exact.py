@@ -198,7 +198,7 @@ def _refusals(world):
     out["outside"] = message(lambda: F.cross_entropy(model(x), y).backward())
 
     def no_sync_inside():
-        for xs, ys in model.shards(x, y):
+        for xs, _ys in model.shards(x, y):
             with model.no_sync():
                 model(xs)
 
