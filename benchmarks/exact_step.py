@@ -18,10 +18,12 @@ same on every rank), every round on fresh random batches:
   is the exact sum alone, and the gap to ``exact`` the cost of more, smaller passes.
 
 A step is ``zero_grad`` + forward/backward (per shard in exact mode, mean loss per
-shard) + ``SGD.step``; reported is the median on rank 0. Exact steps are also taken
-apart (medians per step, rank 0): the sum's phases (local max, the MAX all-reduce,
-encode, the SUM all-reduce, decode) and the rest (the shards' forward and backward,
-moving each shard's gradients into its row, zero_grad and the SGD step).
+shard) + ``SGD.step``, each variant with the process-wide settings its mode has
+(exact mode: torch's deterministic algorithms on); reported is the median on rank 0.
+Exact steps are also taken apart (medians per step, rank 0): the sum's phases (local
+max, the MAX all-reduce, encode, the SUM all-reduce, decode) and the rest (the shards'
+forward and backward, moving each shard's gradients into its row, zero_grad and the
+SGD step).
 
 Run:  python benchmarks/exact_step.py [--world-size 2 --rounds 7 --json out.json]
 """
@@ -125,6 +127,9 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
             r = runs[key]
             x, y = data[key]
             steps = opts["steps"] + (opts["warmup"] if round_index == 0 else 0)
+            # Process-wide settings as each mode has them: exact mode turns on torch's
+            # deterministic algorithms (building an exact engine did it for everyone).
+            torch.use_deterministic_algorithms(r["shards"] is not None, warn_only=True)
             for i in range(steps):
                 dist.barrier()
                 _spent.clear()
