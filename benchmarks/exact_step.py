@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
-import json
 import os
 import random
 import statistics
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddpkit
+from ddpkit.bench.output import write_json
 from ddpkit.parallel.exact_reducer import ExactReducer
 from ddpkit.parallel.exact_sum import ExactMean
 from ddpkit.shard_count import default_virtual_shards
@@ -212,9 +212,7 @@ def main(argv: list[str] | None = None) -> int:
               "loadavg_after": load_after}
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"\nwrote {args.json}")
+        print(f"\nwrote {write_json(args.json, report, indent=2, final_newline=True)}")
     return 0
 
 

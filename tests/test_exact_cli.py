@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from ddpkit.fault import EXIT_PREEMPTED
 from ddpkit.loop.sample_ids import read_sample_logs
 from ddpkit.train.report import read_jsonl
+from test_train_fault import _assert_same_params, _finish, _start
+from test_train_fault import _env as fault_env
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SAMPLES, STEPS_PER_EPOCH, EPOCHS = 300, 4, 2
@@ -32,41 +31,13 @@ JOB = ["--exact", "--data", "synthetic", "--synthetic-size", str(SAMPLES), "--ba
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPKIT_TEST_")}
-    path = os.pathsep.join(p for p in (TESTS, env.get("PYTHONPATH")) if p)
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=path, **extra)
-    return env
-
-
-def _start(*argv: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ddpkit.cli", "train", *argv], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str]:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        pytest.fail(f"ddpkit train did not finish in {timeout} s:\n{err[-3000:]}")
-    return proc.returncode, out + err
+    """The fault tests' environment, with this directory on the path (user_recipe)."""
+    path = os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p)
+    return fault_env(PYTHONPATH=path, **extra)
 
 
 def _train(*argv: str, **env: str) -> tuple[int, str]:
-    return _finish(_start(*JOB, *argv, env=_env(**env)))
-
-
-def _assert_same_params(run: Path, reference: Path) -> None:
-    mine = torch.load(run / "model.pt", weights_only=True)
-    ref = torch.load(reference / "model.pt", weights_only=True)
-    assert mine.keys() == ref.keys()
-    for key in ref:
-        assert torch.equal(mine[key], ref[key]), f"{key} differs from the uninterrupted run"
+    return _finish(_start(*JOB, *argv, env=_env(**env)), timeout=300)
 
 
 def _assert_test_metrics_equal(run: Path, reference: Path, same_world: bool = True) -> None:
