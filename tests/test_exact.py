@@ -152,6 +152,71 @@ def test_stopped_at_two_ranks_and_continued_at_another_count_ends_with_the_same_
         assert _same(r["params"], uninterrupted[0]["params"])
 
 
+def _run_loop(world, directory, stop_after=None):
+    """A user's loop under ddpkit.Run(exact=True) with a DataLoader: 2 epochs, or until
+    ``stop_after`` steps (leaving the block checkpoints there)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import ddpkit
+    from ddpkit.data import ShardSampler
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(2)
+    data = TensorDataset(torch.randn(100, 12, generator=g),
+                         torch.randint(0, 4, (100,), generator=g))
+    model = ddpkit.DataParallel(_DropoutNet(), exact=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sampler = ShardSampler(data, global_batch_size=24, seed=1)
+    loader = DataLoader(data, sampler=sampler, batch_size=sampler.local_batch_size)
+    with ddpkit.Run(directory, model=model, optimizer=opt, sampler=sampler, exact=True) as run:
+        for _ in run.epochs(2):
+            for x, y in run.batches(loader):
+                opt.zero_grad()
+                for xs, ys in model.shards(x, y):
+                    F.cross_entropy(model(xs), ys).backward()
+                opt.step()
+                run.step_done()
+                if run.step == stop_after:
+                    break
+            if run.step == stop_after:
+                break
+    return {"params": [p.detach().clone() for p in model.module.parameters()],
+            "step": run.step, "shards": model.exact.virtual_shards}
+
+
+def test_run_with_a_dataloader_continues_at_another_world_size_with_the_same_bits(pools,
+                                                                                  tmp_path):
+    full = pools(2).run(_run_loop, str(tmp_path / "full"))
+    assert full[0]["shards"] == 12 and full[0]["step"] == 10  # 24 -> 12 shards; 5 steps/epoch
+    pools(2).run(_run_loop, str(tmp_path / "run"), 3)
+    (resumed,) = pools(1).run(_run_loop, str(tmp_path / "run"))
+    assert resumed["step"] == 10
+    assert _same(resumed["params"], full[0]["params"])
+
+
+def _unused_parameter(world):
+    import ddpkit
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.spare = nn.Linear(4, 2), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    model = ddpkit.DataParallel(Net(), exact=True, virtual_shards=4,
+                                find_unused_parameters=True)
+    for xs in model.shards(torch.randn(8 // world.world_size, 4)):
+        model(xs).square().sum().backward()
+    return [p.grad is None for p in model.module.parameters()]
+
+
+def test_a_parameter_unused_on_every_shard_keeps_no_gradient(pools):
+    assert pools(2).run(_unused_parameter)[0] == [False, False, True, True]
+
+
 def _verify(world, cfg_dict, per_rank_seed=False):
     import ddpkit
     from ddpkit.train.config import Config
