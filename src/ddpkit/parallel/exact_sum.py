@@ -52,8 +52,8 @@ from collections.abc import Callable
 
 import torch
 
-# Bytes of one piece of the [rows, n] work: small enough that a piece's temporaries
-# stay in the L2 cache, large enough that Python's per-op cost is noise.
+# Bytes of one piece of the [rows, n] work on a CPU: small enough that a piece's
+# temporaries stay in the L2 cache, large enough that Python's per-op cost is noise.
 PIECE_BYTES = 1 << 20
 _F32_MANTISSA_BITS = 23
 _F32_EXPONENT_BIAS = 127
@@ -87,7 +87,9 @@ class ExactMean:
             raise ValueError(f"{rows} local rows of {terms} terms")
         self.rows, self.n, self.terms, self.extra = rows, n, terms, extra
         self.p = fixed_point_bits(terms)
-        self.piece = max(1024, PIECE_BYTES // (4 * max(rows, 1)))
+        # On an accelerator there is no cache to stay in, and every op is a launch.
+        on_cpu = torch.device(device).type == "cpu"
+        self.piece = max(1024, PIECE_BYTES // (4 * max(rows, 1))) if on_cpu else max(n, 1)
         self.maxima = torch.empty(n + extra, dtype=torch.float32, device=device)
         self.total = torch.empty(n, dtype=torch.float64, device=device)
         width = min(n, self.piece)
