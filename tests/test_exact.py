@@ -96,7 +96,7 @@ class _DropoutNet(nn.Module):
         return self.fc2(self.drop(torch.relu(self.fc1(x))))
 
 
-def _users_loop(world, exact: bool, steps: int = 6):
+def _users_loop(world, exact: bool, steps: int = 6, comm: str = "auto"):
     """An ordinary torch loop with AdamW and dropout; exact mode changes two lines."""
     import ddpkit
     from ddpkit.data import ShardSampler
@@ -104,7 +104,7 @@ def _users_loop(world, exact: bool, steps: int = 6):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x_all, y_all = torch.randn(200, 12, generator=g), torch.randint(0, 4, (200,), generator=g)
-    options = {"exact": True, "virtual_shards": 12} if exact else {}
+    options = {"exact": True, "virtual_shards": 12, "comm": comm} if exact else {}
     model = ddpkit.DataParallel(_DropoutNet(), **options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler = ShardSampler(x_all, global_batch_size=48, virtual_shards=12 if exact else None)
@@ -135,6 +135,13 @@ def test_users_loop_with_dropout_ends_with_the_same_bits_at_every_world_size(poo
     if world == 2:  # without exact mode the ranks draw their own masks: other weights
         (plain_one,) = pools(1).run(_users_loop, False)
         assert not _same(pools(2).run(_users_loop, False)[0], plain_one)
+
+
+def test_every_transport_sums_to_the_same_bits(pools):
+    """The exact sum is associative, so gloo, the ring and shared memory agree."""
+    auto = pools(2).run(_users_loop, True)[0]
+    for comm in ("backend", "ring", "shm"):
+        assert _same(pools(2).run(_users_loop, True, 6, comm)[0], auto), comm
 
 
 @pytest.mark.parametrize("resume_world", [1, pytest.param(3, marks=pytest.mark.slow)])
