@@ -151,14 +151,15 @@ class ExactMean:
             return self.total.zero_()
         # 2^k as float32 has the biased exponent k + 127 = P + 253 - E, at most 253
         # (2^126). A nonzero maximum below 2^(P - 126) (~1e-23) needs a larger k,
-        # applied as a second factor; rare, so looked for once.
+        # applied as a second factor (zero maxima need none: their terms are zeros).
         top = self.p + _F32_MAX_FACTOR + _F32_EXPONENT_BIAS
         cap = _F32_MAX_FACTOR + _F32_EXPONENT_BIAS
-        bits = self.maxima[: self.n].view(torch.int32)  # non-negative floats order as ints
-        split = bool(((bits > 0) & (bits < (self.p + 1) << _F32_MANTISSA_BITS)).any())
         for a, b in self._pieces():
             factor = torch.sub(top, self._biased_exponents(a, b), out=self._bits[: b - a])
-            rest = (factor - _F32_MAX_FACTOR).clamp_min_(_F32_EXPONENT_BIAS) if split else None
+            rest = None
+            if int(factor.max()) > cap and bool(
+                    ((factor > cap) & (self.maxima[a:b] != 0)).any()):
+                rest = (factor - _F32_MAX_FACTOR).clamp_min_(_F32_EXPONENT_BIAS)
             factor.clamp_max_(cap).bitwise_left_shift_(_F32_MANTISSA_BITS)
             piece = self._scratch[:, : b - a]
             torch.mul(slots[:, a:b], factor.view(torch.float32), out=piece)  # exact
