@@ -56,13 +56,23 @@ def _trainer_params(world, cfg_dict, run_dir=None, stop_at=None, restore=False):
             "step": trainer.loop.step, "preempted": trainer.preempted, "log": lines}
 
 
+def _restoring(world, fn, *args):
+    """Run ``fn(world, *args)`` on a pooled rank, then put back the process-wide settings
+    exact mode pins (deterministic algorithms, threads), for the tests that follow."""
+    try:
+        return fn(world, *args)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(1)
+
+
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.fixture(scope="module")
 def main_job_on_one_rank(pools):
-    (result,) = pools(1).run(_trainer_params, MAIN)
+    (result,) = pools(1).run(_restoring, _trainer_params, MAIN)
     return result["params"]
 
 
@@ -70,7 +80,7 @@ def main_job_on_one_rank(pools):
                                    pytest.param(4, marks=pytest.mark.slow)])
 def test_main_job_ends_with_the_same_bits_at_every_world_size(pools, main_job_on_one_rank,
                                                               world):
-    results = pools(world).run(_trainer_params, MAIN)
+    results = pools(world).run(_restoring, _trainer_params, MAIN)
     assert all(r["step"] == 15 for r in results)
     for r in results:
         assert _same(r["params"], main_job_on_one_rank)
@@ -78,8 +88,8 @@ def test_main_job_ends_with_the_same_bits_at_every_world_size(pools, main_job_on
 
 def test_the_default_mode_is_not_bit_identical_across_world_sizes(pools, main_job_on_one_rank):
     default = {**MAIN, "train": {**MAIN["train"], "exact": False}}
-    (one,) = pools(1).run(_trainer_params, default)
-    two = pools(2).run(_trainer_params, default)
+    (one,) = pools(1).run(_restoring, _trainer_params, default)
+    two = pools(2).run(_restoring, _trainer_params, default)
     assert not _same(one["params"], two[0]["params"])
     # ... while it trains the same model: close to exact mode's, not equal to it.
     for a, b in zip(one["params"], main_job_on_one_rank, strict=True):
@@ -128,30 +138,30 @@ def _users_loop(world, exact: bool, steps: int = 6, comm: str = "auto"):
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow),
                                    pytest.param(4, marks=pytest.mark.slow)])
 def test_users_loop_with_dropout_ends_with_the_same_bits_at_every_world_size(pools, world):
-    (one,) = pools(1).run(_users_loop, True)
-    results = pools(world).run(_users_loop, True)
+    (one,) = pools(1).run(_restoring, _users_loop, True)
+    results = pools(world).run(_restoring, _users_loop, True)
     for r in results:
         assert _same(r, one)
     if world == 2:  # without exact mode the ranks draw their own masks: other weights
-        (plain_one,) = pools(1).run(_users_loop, False)
-        assert not _same(pools(2).run(_users_loop, False)[0], plain_one)
+        (plain_one,) = pools(1).run(_restoring, _users_loop, False)
+        assert not _same(pools(2).run(_restoring, _users_loop, False)[0], plain_one)
 
 
 def test_every_transport_sums_to_the_same_bits(pools):
     """The exact sum is associative, so gloo, the ring and shared memory agree."""
-    auto = pools(2).run(_users_loop, True)[0]
+    auto = pools(2).run(_restoring, _users_loop, True)[0]
     for comm in ("backend", "ring", "shm"):
-        assert _same(pools(2).run(_users_loop, True, 6, comm)[0], auto), comm
+        assert _same(pools(2).run(_restoring, _users_loop, True, 6, comm)[0], auto), comm
 
 
 @pytest.mark.parametrize("resume_world", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_stopped_at_two_ranks_and_continued_at_another_count_ends_with_the_same_bits(
         pools, tmp_path, resume_world):
-    uninterrupted = pools(2).run(_trainer_params, DROPOUT, str(tmp_path / "full"))
+    uninterrupted = pools(2).run(_restoring, _trainer_params, DROPOUT, str(tmp_path / "full"))
     run = str(tmp_path / "run")
-    stopped = pools(2).run(_trainer_params, DROPOUT, run, 3)
+    stopped = pools(2).run(_restoring, _trainer_params, DROPOUT, run, 3)
     assert [r["step"] for r in stopped] == [3, 3] and stopped[0]["preempted"]
-    resumed = pools(resume_world).run(_trainer_params, DROPOUT, run, None, True)
+    resumed = pools(resume_world).run(_restoring, _trainer_params, DROPOUT, run, None, True)
     assert resumed[0]["step"] == 8
     assert any("exact mode draws every random number per shard" in line
                for line in resumed[0]["log"])
@@ -193,10 +203,10 @@ def _run_loop(world, directory, stop_after=None):
 
 def test_run_with_a_dataloader_continues_at_another_world_size_with_the_same_bits(pools,
                                                                                   tmp_path):
-    full = pools(2).run(_run_loop, str(tmp_path / "full"))
+    full = pools(2).run(_restoring, _run_loop, str(tmp_path / "full"))
     assert full[0]["shards"] == 12 and full[0]["step"] == 10  # 24 -> 12 shards; 5 steps/epoch
-    pools(2).run(_run_loop, str(tmp_path / "run"), 3)
-    (resumed,) = pools(1).run(_run_loop, str(tmp_path / "run"))
+    pools(2).run(_restoring, _run_loop, str(tmp_path / "run"), 3)
+    (resumed,) = pools(1).run(_restoring, _run_loop, str(tmp_path / "run"))
     assert resumed["step"] == 10
     assert _same(resumed["params"], full[0]["params"])
 
@@ -221,7 +231,7 @@ def _unused_parameter(world):
 
 
 def test_a_parameter_unused_on_every_shard_keeps_no_gradient(pools):
-    assert pools(2).run(_unused_parameter)[0] == [False, False, True, True]
+    assert pools(2).run(_restoring, _unused_parameter)[0] == [False, False, True, True]
 
 
 def _verify(world, cfg_dict, per_rank_seed=False):
@@ -241,10 +251,10 @@ def _verify(world, cfg_dict, per_rank_seed=False):
 
 def test_verify_exact_finds_zero_difference_with_dropout_and_catches_per_rank_streams(pools):
     cfg = {**DROPOUT, "checkpoint": {**DROPOUT["checkpoint"], "every_steps": None}}
-    diff, passed, text = pools(2).run(_verify, cfg)[0]
+    diff, passed, text = pools(2).run(_restoring, _verify, cfg)[0]
     assert diff == 0.0 and passed, text
     assert "max |param(W ranks) - param(1 process)| = 0.000e+00" in text
-    diff, passed, _ = pools(2).run(_verify, cfg, True)[0]
+    diff, passed, _ = pools(2).run(_restoring, _verify, cfg, True)[0]
     assert diff > 0 and not passed
 
 
@@ -303,7 +313,7 @@ def _refusals(world):
 
 
 def test_misuse_of_exact_mode_is_one_line_each(pools):
-    out = pools(1).run(_refusals)[0]
+    out = pools(1).run(_restoring, _refusals)[0]
     expected = {
         "batchnorm": "exact mode: BatchNorm1d '1' updates running statistics",
         "outside": "exact mode: run each training forward/backward inside the shard loop",
