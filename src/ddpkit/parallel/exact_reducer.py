@@ -38,8 +38,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.comm.collectives import all_reduce as comm_all_reduce
+from ddpkit.comm.shm.hook import ShmState
 from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.log import get_logger
+from ddpkit.parallel import transport
 from ddpkit.parallel.exact_sum import ExactMean
 from ddpkit.parallel.state_sync import broadcast_coalesced
 from ddpkit.parallel.virtual_shards import local_slices, pin_numerics, shard_rng
@@ -105,7 +107,11 @@ class ExactReducer:
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.algo = comm
+        # Where the two all-reduces of a step run: the host's shared memory (with the
+        # reduced buffers allocated in it, so nothing is copied in or out) when the
+        # transport choice says so, else ddpkit.comm with that algorithm.
+        self.algo = transport.resolve(comm, [self.device.type], group)
+        self._shm = ShmState(group) if self.algo == "shm" and self.world_size > 1 else None
         self.find_unused = find_unused_parameters
         self.virtual_shards: int | None = None
         if virtual_shards is not None:
@@ -221,7 +227,8 @@ class ExactReducer:
                            for o, p in zip(self._offsets, self.params, strict=True)]
                           for m in range(local_shards)]
             self._mean = ExactMean(local_shards, self.numel, self.virtual_shards,
-                                   extra=len(self.params), device=self.device)
+                                   extra=len(self.params), device=self.device,
+                                   allocate=self._shm.allocate if self._shm else None)
         self._done = 0
         self._used = [False] * len(self.params)
         self._captured = [False] * local_shards
@@ -276,7 +283,8 @@ class ExactReducer:
                           "Join): every rank runs the same shards, padded to equal size")
 
     def close(self) -> None:
-        pass
+        if self._shm is not None:
+            self._shm.close()
 
     # -- one shard's backward ------------------------------------------------------------
 
@@ -356,7 +364,10 @@ class ExactReducer:
 
     def _collective(self, op: str):
         def run(tensor: torch.Tensor) -> None:
-            comm_all_reduce(tensor, op=op, algo=self.algo, group=self.group)
+            if self._shm is not None:
+                self._shm.all_reduce(tensor, op)
+            else:
+                comm_all_reduce(tensor, op=op, algo=self.algo, group=self.group)
 
         return run
 

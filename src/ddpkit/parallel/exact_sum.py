@@ -62,6 +62,11 @@ _F64_MANTISSA_BITS = 52
 _F64_EXPONENT_BIAS = 1023
 
 Reduce = Callable[[torch.Tensor], object]
+Allocate = Callable[[int, torch.dtype, torch.device | str], torch.Tensor]
+
+
+def _empty(numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def fixed_point_bits(terms: int) -> int:
@@ -82,7 +87,7 @@ class ExactMean:
     """
 
     def __init__(self, rows: int, n: int, terms: int, *, extra: int = 0,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", allocate: Allocate | None = None):
         if not 0 <= rows <= terms:
             raise ValueError(f"{rows} local rows of {terms} terms")
         self.rows, self.n, self.terms, self.extra = rows, n, terms, extra
@@ -90,8 +95,11 @@ class ExactMean:
         # On an accelerator there is no cache to stay in, and every op is a launch.
         on_cpu = torch.device(device).type == "cpu"
         self.piece = max(1024, PIECE_BYTES // (4 * max(rows, 1))) if on_cpu else max(n, 1)
-        self.maxima = torch.empty(n + extra, dtype=torch.float32, device=device)
-        self.total = torch.empty(n, dtype=torch.float64, device=device)
+        # The two all-reduced buffers may live where the collective reads them in place
+        # (``allocate(numel, dtype, device)``: the host's shared-memory segment).
+        allocate = allocate or _empty
+        self.maxima = allocate(n + extra, torch.float32, device)
+        self.total = allocate(n, torch.float64, device)
         width = min(n, self.piece)
         self._scratch = torch.empty(max(rows, 1), width, dtype=torch.float32, device=device)
         self._bits = torch.empty(width, dtype=torch.int32, device=device)
