@@ -135,7 +135,7 @@ class TrainConfig:
     progress: bool = flag("--no-progress", "no progress bar", default=True)
     # torch threads per process; 0: cores shared evenly by the local ranks.
     threads: int = flag("--threads", "torch threads per process (default: cores / local "
-                        "processes)", default=0)
+                        "processes; 1 with --exact)", default=0)
     # Per-rank JSONL of the sample ids each step trained on.
     log_sample_ids: bool = flag(
         "--log-sample-ids", "write the sample ids of every step, per rank, to <run dir>/"
