@@ -40,6 +40,7 @@ from torch import nn
 from ddpkit.comm.collectives import all_reduce as comm_all_reduce
 from ddpkit.comm.shm.hook import ShmState
 from ddpkit.errors import ConfigError, DdpkitError
+from ddpkit.lifetime import no_python_tls
 from ddpkit.log import get_logger
 from ddpkit.parallel import transport
 from ddpkit.parallel.exact_sum import ExactMean
@@ -340,10 +341,13 @@ class ExactReducer:
     def _reduce(self) -> None:
         used = torch.tensor(self._used, dtype=torch.float32, device=self.device)
         many = self.world_size > 1
-        self._mean.mean(self._slots, self._result,
-                        all_reduce_max=self._collective("max") if many else None,
-                        all_reduce_sum=self._collective("sum") if many else None,
-                        extra_max=used)
+        # Inside backward (this is its end callback): collectives must not capture
+        # autograd's Python thread-local state (see ddpkit.lifetime).
+        with no_python_tls():
+            self._mean.mean(self._slots, self._result,
+                            all_reduce_max=self._collective("max") if many else None,
+                            all_reduce_sum=self._collective("sum") if many else None,
+                            extra_max=used)
         with torch.no_grad():
             for i, (p, anywhere) in enumerate(zip(self.params, used.tolist(), strict=True)):
                 if not anywhere:
