@@ -295,6 +295,8 @@ def _refusals(world):
     out["zero_grad"] = message(one_step)
     fresh = ddpkit.DataParallel(_DropoutNet(), exact=True, virtual_shards=12)
     out["hook"] = message(lambda: fresh.register_comm_hook(None, lambda s, b: None))
+    out["shard"] = message(lambda: ddpkit.DataParallel(_DropoutNet(), exact=True,
+                                                       virtual_shards=12, shard="optimizer"))
     plain = ddpkit.DataParallel(_DropoutNet())
     out["run"] = message(lambda: ddpkit.Run(None, model=plain, exact=True))
 
@@ -322,6 +324,8 @@ def test_misuse_of_exact_mode_is_one_line_each(pools):
         "zero_grad": "still has a gradient when a step's shards begin; call "
                      "optimizer.zero_grad()",
         "hook": "exact mode sums gradients itself; comm hooks do not apply",
+        "shard": "exact mode sums whole gradients on every rank; shard='optimizer' does not "
+                 "combine with it",
         "run": "Run(exact=True) trains a DataParallel(model, exact=True)",
         "count": "was written with 12 virtual shards, this run has 6; an exact run resumes "
                  "with the same count (--virtual-shards 12)",

@@ -172,6 +172,9 @@ def test_the_configs_name_tables_are_the_libraries_own():
     (["--exact", "--virtual-shards", "5"],
      "5 virtual shards do not divide the global batch of 128; use a divisor of it (e.g. 8)"),
     (["--exact", "--engine", "torch"], "--exact is ddpkit's engine's: leave out --engine torch"),
+    (["--exact", "--shard", "optimizer"],
+     "--shard 'optimizer' does not combine with --exact (exact mode sums whole gradients on "
+     "every rank): leave out --shard"),
 ])
 def test_exact_mode_mistakes_are_one_line(argv, message):
     import argparse
