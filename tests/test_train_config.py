@@ -70,6 +70,10 @@ def test_run_dirs_are_never_reused(tmp_path):
     assert len(dirs) == 5 and all(d.is_dir() and d.parent == tmp_path for d in dirs)
 
 
+# Flags valid only together with another one.
+NEEDS = {"--virtual-shards": ["--exact"]}
+
+
 def _flag_value(f):
     """A value for a field's flag that differs from the field's default."""
     meta = f.metadata["argparse"]
@@ -112,6 +116,7 @@ def test_every_flag_field_reaches_its_config_field():
         value = _flag_value(f)
         argv = [f.metadata["flag"]] + ([] if value is None else
                                       value if isinstance(value, list) else [value])
+        argv += NEEDS.get(f.metadata["flag"], [])
         cfg = config_from_args(p.parse_args(argv))
         got = getattr(getattr(cfg, section), f.name)
         default = getattr(getattr(Config(), section), f.name)
@@ -156,3 +161,28 @@ def test_the_configs_name_tables_are_the_libraries_own():
     assert tuple(COMM_CHOICES) == names.COMM_CHOICES
     assert tuple(SHARD_CHOICES) == names.SHARD_CHOICES
     assert names.EXIT_PREEMPTED == EXIT_PREEMPTED
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--exact", "--grad-accum", "2"],
+     "--grad-accum does not combine with --exact: exact mode accumulates over virtual shards; "
+     "use a --batch-size N times larger and --virtual-shards (the same samples per step, "
+     "summed exactly)"),
+    (["--virtual-shards", "4"], "--virtual-shards is exact mode's: add --exact"),
+    (["--exact", "--virtual-shards", "5"],
+     "5 virtual shards do not divide the global batch of 128; use a divisor of it (e.g. 8)"),
+    (["--exact", "--engine", "torch"], "--exact is ddpkit's engine's: leave out --engine torch"),
+    (["--exact", "--shard", "optimizer"],
+     "--shard 'optimizer' does not combine with --exact (exact mode sums whole gradients on "
+     "every rank): leave out --shard"),
+])
+def test_exact_mode_mistakes_are_one_line(argv, message):
+    import argparse
+
+    from ddpkit.train.options import add_train_options, config_from_args
+
+    p = argparse.ArgumentParser()
+    add_train_options(p)
+    with pytest.raises(ConfigError) as err:
+        config_from_args(p.parse_args(argv))
+    assert str(err.value) == message

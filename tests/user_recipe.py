@@ -34,3 +34,22 @@ def make_data():
 
 def not_a_model(input_shape, num_classes):
     return "a string"
+
+
+class DropoutNet(nn.Module):
+    """Dropout between two hidden layers: training draws random masks every step."""
+
+    def __init__(self, in_features: int, num_classes: int, hidden: int = 32):
+        super().__init__()
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.drop = nn.Dropout(0.25)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, num_classes)
+
+    def forward(self, x):
+        x = self.drop(F.relu(self.fc1(x.flatten(1))))
+        return F.log_softmax(self.fc3(self.drop(F.relu(self.fc2(x)))), dim=1)
+
+
+def make_dropout_model(input_shape, num_classes):
+    return DropoutNet(int(torch.tensor(input_shape).prod()), num_classes)

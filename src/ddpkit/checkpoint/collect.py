@@ -16,9 +16,32 @@ from ddpkit.checkpoint.rng import gather_rng_states, set_rng_state
 from ddpkit.checkpoint.store import FORMAT, RANK_SHARD, SHARD_FILES, Checkpointer, CheckpointError
 from ddpkit.errors import DdpkitError
 from ddpkit.log import get_logger
+from ddpkit.parallel.exact_reducer import ExactReducer
 from ddpkit.parallel.sharded_state import FORMAT as SHARDED_OPTIMIZER
 
 log = get_logger(__name__)
+
+
+def _exact_of(model: Any) -> ExactReducer | None:
+    """The exact-mode engine state of ``model`` (a DataParallel(exact=True)), or None."""
+    exact = getattr(model, "exact", None)
+    return exact if isinstance(exact, ExactReducer) else None
+
+
+def _restore_exact(state: Mapping[str, Any], exact: ExactReducer, source: str) -> None:
+    """Exact mode continues only its own kind of checkpoint, with the same shard count
+    (another count cuts every step differently: not the same run)."""
+    saved = state.get("exact")
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(f"{source} was written without exact mode; an exact run "
+                              "continues only exact checkpoints (resume it without exact "
+                              "mode, or start a new run)")
+    ours, theirs = exact.virtual_shards, int(saved["virtual_shards"])
+    if ours is not None and ours != theirs:
+        raise CheckpointError(f"{source} was written with {theirs} virtual shards, this run "
+                              f"has {ours}; an exact run resumes with the same count "
+                              f"(--virtual-shards {theirs})")
+    exact.load_state_dict(saved)
 
 
 def _config_diff(saved_json: str, current_json: str) -> str:
@@ -96,6 +119,9 @@ def collect_state(
     if config is not None:
         state["config"] = _config_json(config)
         state["fingerprint"] = config_fingerprint(config)
+    exact = _exact_of(model)
+    if exact is not None:  # shard count, step and seed of the shards' random streams
+        state["exact"] = exact.state_dict()
     if extra:
         state["extra"] = dict(extra)
     return state
@@ -118,6 +144,9 @@ def restore_state(
     match, or the differing fields when ``config`` is given and its fingerprint differs.
     RNG streams are restored per rank when the world size is unchanged; otherwise they
     are left alone (with a warning) since the ranks they belonged to no longer exist.
+    In exact mode (``model`` a ``DataParallel(exact=True)``) the state must come from
+    an exact run with the same virtual-shard count (else one CheckpointError line),
+    and another world size continues the run exactly.
     Returns ``{"step", "epoch", "world_size", "rng_restored"}``.
     """
     fingerprint = state.get("fingerprint")
@@ -131,6 +160,9 @@ def restore_state(
                       ("sampler", sampler)):
         if obj is not None and name not in state:
             raise CheckpointError(f"{source} has no {name} state; it was saved without one")
+    exact = _exact_of(model)
+    if exact is not None:
+        _restore_exact(state, exact, source)
     if model is not None:
         load_model_state(model, state["model"], source)
     saved_optimizer = state.get("optimizer")
@@ -156,6 +188,10 @@ def restore_state(
         if saved_world == _world_size() and len(per_rank) == saved_world:
             set_rng_state(per_rank[_rank()])
             rng_restored = True
+        elif exact is not None:
+            log.info(f"{source} was written by {saved_world} ranks, this run has "
+                     f"{_world_size()}: exact mode draws every random number per shard, "
+                     "so the run continues bit for bit")
         else:
             log.warning(
                 f"{source} was written by {saved_world} ranks, this run has {_world_size()}: "

@@ -17,7 +17,9 @@
   from the start of the order, so every rank runs the same number of steps (no rank
   waits forever in a collective). Each batch says how many of its entries are real, so
   metrics and the loss never count a padded sample. ``drop_last=True`` instead drops the
-  final incomplete global batch.
+  final incomplete global batch. With ``virtual_shards=V`` (exact mode) it is padded to
+  a multiple of V instead, so the batch cuts into V equal shards whatever the world
+  size (W divides V).
 * **New order every epoch, automatically.** The order is a permutation drawn from
   ``(seed, epoch)``; finishing an epoch moves the sampler to the next one, so users do
   not need ``set_epoch`` (it exists for explicit control).
@@ -142,6 +144,7 @@ class ShardSampler(Sampler[int]):
         seed: int = 0,
         shuffle: bool = True,
         drop_last: bool = False,
+        virtual_shards: int | None = None,
     ):
         self.num_samples = dataset if isinstance(dataset, int) else len(dataset)
         if self.num_samples < 1:
@@ -163,6 +166,9 @@ class ShardSampler(Sampler[int]):
         self.seed = int(seed)
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.virtual_shards = None
+        if virtual_shards is not None:
+            self.set_virtual_shards(virtual_shards)
         self.end = self.num_samples
         if drop_last:
             self.end = self.num_samples // global_batch_size * global_batch_size
@@ -173,6 +179,23 @@ class ShardSampler(Sampler[int]):
                 )
         self.epoch = 0
         self.position = 0  # global positions of this epoch already handed out
+
+    def set_virtual_shards(self, virtual_shards: int) -> None:
+        """Pad the last global batch to a multiple of ``virtual_shards`` (exact mode's
+        shards per step; it must divide the global batch and be a multiple of the
+        world size)."""
+        v = virtual_shards
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"virtual_shards must be a positive integer, got {v!r}")
+        if self.global_batch_size % v or v % self.num_replicas:
+            raise ConfigError(
+                f"virtual_shards={v} must divide the global batch ({self.global_batch_size}) "
+                f"and be a multiple of the world size ({self.num_replicas})")
+        self.virtual_shards = v
+
+    @property
+    def _pad_multiple(self) -> int:
+        return self.virtual_shards or self.num_replicas
 
     # ----------------------------------------------------------------- order
     def order(self, epoch: int) -> np.ndarray:
@@ -199,7 +222,9 @@ class ShardSampler(Sampler[int]):
 
     def __len__(self) -> int:
         """Samples this rank reads in the rest of the current epoch."""
-        return sum(math.ceil((b - a) / self.num_replicas) for a, b in self._chunks())
+        pad = self._pad_multiple
+        return sum(math.ceil((b - a) / pad) * pad // self.num_replicas
+                   for a, b in self._chunks())
 
     def _advance(self, epoch: int, consumed_up_to: int) -> None:
         # Called *before* handing data out: a state_dict taken while the caller holds it
@@ -213,8 +238,9 @@ class ShardSampler(Sampler[int]):
         """This rank's batches for the rest of the current epoch, then move to the next."""
         epoch, order = self.epoch, self.order(self.epoch)
         n, world = self.num_samples, self.num_replicas
+        pad = self._pad_multiple
         for start, stop in self._chunks():
-            padded_stop = start + math.ceil((stop - start) / world) * world
+            padded_stop = start + math.ceil((stop - start) / pad) * pad
             positions = range(start + self.rank, padded_stop, world)
             batch = ShardBatch(
                 indices=[int(order[q % n]) for q in positions],
@@ -231,8 +257,9 @@ class ShardSampler(Sampler[int]):
         between any two samples resumes exactly (all ranks are assumed in lockstep)."""
         epoch, order = self.epoch, self.order(self.epoch)
         n, world = self.num_samples, self.num_replicas
+        pad = self._pad_multiple
         for start, stop in self._chunks():
-            padded_stop = start + math.ceil((stop - start) / world) * world
+            padded_stop = start + math.ceil((stop - start) / pad) * pad
             for k, q in enumerate(range(start + self.rank, padded_stop, world)):
                 # After every rank handed out k+1 samples of this chunk, the job has
                 # consumed its first (k+1) * world positions.

@@ -73,7 +73,9 @@ from ddpkit.log import get_logger
 from ddpkit.loop import inject
 from ddpkit.loop.metrics_log import MetricLog, check_writers, peak_rss_mib, truncate_records
 from ddpkit.loop.sample_ids import SampleLog, truncate_sample_logs
+from ddpkit.parallel.exact_reducer import ExactReducer
 from ddpkit.runtime import DEFAULT_TIMEOUT
+from ddpkit.shard_count import check_virtual_shards, default_virtual_shards
 
 log = get_logger(__name__)
 
@@ -114,6 +116,10 @@ class Run:
       :meth:`log`). ``log_with``: ``("csv", "tensorboard")`` besides metrics.jsonl.
     * ``log_sample_ids``: every rank logs the ids it trained on at each step (see
       :mod:`ddpkit.loop.sample_ids`), for audits and tests.
+    * ``exact``: ``model`` is ``DataParallel(..., exact=True)`` (the same bits at any
+      world size, docs/exact.md): the run gives the engine and the sampler the same
+      virtual-shard count (the engine's, else the sampler's, else the default for the
+      global batch), and its checkpoints resume bit for bit at another world size.
 
     For applications built on it (``ddpkit train``): ``directory=None`` keeps
     everything in memory (no files, no checkpoints); ``checkpoints=False`` writes logs
@@ -144,6 +150,7 @@ class Run:
         checkpoints: bool = True,
         config_check: Callable[[Any, str], None] | None = None,
         inject_faults: bool = True,
+        exact: bool = False,
     ):
         if collective_timeout is not None and collective_timeout <= 0:
             raise ConfigError(f"collective_timeout must be > 0 seconds, got {collective_timeout}")
@@ -158,8 +165,14 @@ class Run:
         self.checkpoints = checkpoints and self.dir is not None
         self.config_check = config_check
         self.inject_faults = inject_faults
+        self.exact = getattr(model, "exact", None) if exact else None
+        if exact and not isinstance(self.exact, ExactReducer):
+            raise ConfigError("Run(exact=True) trains a DataParallel(model, exact=True); "
+                              "wrap the model that way")
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.sampler = sampler
+        if sampler is not None:
+            self._shard_sampler(sampler)
         self.state = dict(state or {})
         self.config = config
         self.collective_timeout = collective_timeout
@@ -420,7 +433,7 @@ class Run:
         loop stops them after its checkpoint). Ends early, on every
         rank at the same step, when a stop signal ended the run.
         """
-        sampler = self._sampler_of(loader)
+        sampler = self._shard_sampler(self._sampler_of(loader))
         sampler.load_state_dict({"epoch": self.epoch, "position": self.position})
         self.epoch, self.position = sampler.epoch, sampler.position
         epoch, start = self.epoch, self.position
@@ -480,6 +493,22 @@ class Run:
                 loader.worker_init_fn = _QuietWorker(loader.worker_init_fn, self.guard.signals)
         if sampler is None:
             raise ConfigError("run.batches() needs a sampler: Run(..., sampler=ShardSampler(...))")
+        return sampler
+
+    def _shard_sampler(self, sampler: ShardSampler) -> ShardSampler:
+        """Exact mode: one virtual-shard count for the engine and the sampler (which
+        pads the last batch of an epoch to a multiple of it)."""
+        engine = self.exact
+        if engine is None:
+            return sampler
+        v = (engine.virtual_shards or sampler.virtual_shards
+             or default_virtual_shards(sampler.global_batch_size))
+        if sampler.virtual_shards not in (None, v):
+            raise ConfigError(f"Run(exact=True): the model has {v} virtual shards, the "
+                              f"sampler {sampler.virtual_shards}; give both the same")
+        check_virtual_shards(v, sampler.global_batch_size, engine.world_size)
+        engine.set_virtual_shards(v)
+        sampler.set_virtual_shards(v)
         return sampler
 
     def _open_step_guard(self) -> None:

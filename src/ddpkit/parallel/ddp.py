@@ -36,7 +36,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddpkit import lifetime
 from ddpkit.errors import ConfigError
-from ddpkit.parallel import sharded_state, torch_compat, transport
+from ddpkit.parallel import exact_reducer, sharded_state, torch_compat, transport
 from ddpkit.parallel.buckets import Allocator, size_limits
 from ddpkit.parallel.join_state import TorchJoinHook
 from ddpkit.parallel.reducer import CommHook, Reducer
@@ -118,6 +118,11 @@ class DataParallel(nn.Module, Joinable):
         shard: ``"none"`` (default), ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2):
             ``model.parameters()`` then yields this rank's flat shards, so the optimizer
             built on them holds 1/W of the state (see :mod:`ddpkit.parallel.sharding`).
+        exact: the same bits at any world size (:mod:`ddpkit.parallel.exact_reducer`):
+            each step is ``virtual_shards`` shards run through :meth:`shards`, their
+            gradients summed exactly; see docs/exact.md.
+        virtual_shards: exact mode's shards per step (the world size must divide it);
+            ``ddpkit.Run(..., exact=True)`` sets it from its sampler when left out.
     """
 
     def __init__(
@@ -150,6 +155,8 @@ class DataParallel(nn.Module, Joinable):
         initial_bucketing: str = "reverse",
         comm: str | CommHook = "auto",
         shard: str = "none",
+        exact: bool = False,
+        virtual_shards: int | None = None,
     ):
         super().__init__()
         Joinable.__init__(self)
@@ -215,6 +222,7 @@ class DataParallel(nn.Module, Joinable):
         self._sharding: Sharding | None = None
         self._join_state = None  # set by ddpkit.join while its context is open
         self._torch_join_state = None  # set by torch's Join through join_hook()
+        self.exact: exact_reducer.ExactReducer | None = None  # exact mode's reducer (exact=True)
 
         named_params = list(module.named_parameters())
         named_buffers = list(module.named_buffers())
@@ -227,6 +235,17 @@ class DataParallel(nn.Module, Joinable):
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         if not trainable:
             raise ConfigError("DataParallel: the module has no parameter that requires grad")
+        if exact and self.shard != "none":
+            raise ConfigError(f"exact mode sums whole gradients on every rank; shard={shard!r} "
+                              "does not combine with it (use shard='none')")
+        if exact:  # sums gradients itself, with its own collectives: no buckets, no transport
+            exact_reducer.attach(self, module, trainable, group, virtual_shards=virtual_shards,
+                                 comm=comm, comm_hook=comm_hook,
+                                 find_unused_parameters=find_unused_parameters)
+            return
+        if virtual_shards is not None:
+            raise ConfigError("virtual_shards is exact mode's: DataParallel(model, exact=True, "
+                              "virtual_shards=V)")
         # A hook reduces the buckets itself: "auto" then keeps them in private memory.
         wanted = "backend" if comm_hook is not None else comm
         self.transport = transport.build(
@@ -437,6 +456,18 @@ class DataParallel(nn.Module, Joinable):
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of tensors the optimizer keeps as state on this rank."""
         return sharded_state.state_bytes(optimizer)
+
+    def shards(self, *tensors: torch.Tensor) -> Iterator[Any]:
+        """Exact mode: this rank's virtual shards of its local batch, one at a time.
+
+        ``for xs, ys in model.shards(x, y):`` yields each of this rank's V/W shards
+        (every tensor cut alike along dim 0; one tensor in, one out) inside its own
+        random stream. Run one forward and one backward per shard; when the last
+        shard's backward returns, ``.grad`` holds the exact mean over all V shards.
+        """
+        if self.exact is None:
+            raise ConfigError("model.shards() is exact mode's: DataParallel(model, exact=True)")
+        return self.exact.shards(tensors)
 
     def bucket_layout(self) -> list[list[str]]:
         """Parameter names per gradient bucket, in the order buckets are reduced."""

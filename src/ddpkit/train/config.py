@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import ConfigError
+from ddpkit.shard_count import EXACT_THREADS, check_virtual_shards, default_virtual_shards
 from ddpkit.train.names import COMM_CHOICES, DATASETS, ENGINES, MODELS, SHARD_CHOICES
 from ddpkit.train.recipe import OPTIMIZERS, PRECISIONS, SCHEDULES, check_factory_spec
 
@@ -120,12 +121,21 @@ class TrainConfig:
     shard: str = flag("--shard", "ZeRO sharding: none, optimizer (optimizer state split across "
                       "ranks) or gradients (and gradients too) (default: none)",
                       default="none", choices=SHARD_CHOICES)
+    # Exact mode: the same bits at any world size (docs/exact.md).
+    exact: bool = flag("--exact", "the same bits at any world size and across a resume at "
+                       "another one: each step runs as virtual shards with their own random "
+                       "streams, summed exactly (docs/exact.md)", default=False)
+    virtual_shards: int | None = flag(
+        "--virtual-shards", "exact mode's shards per step: a divisor of --batch-size; the "
+        "run can use the world sizes that divide it (default: of the divisors up to 12, "
+        "the one most world sizes divide, e.g. 12 for a batch of 96)", default=None,
+        metavar="N")
     out_dir: str = flag("--out-dir", "parent of the new run directory (default: runs/)",
                         default="runs")
     progress: bool = flag("--no-progress", "no progress bar", default=True)
     # torch threads per process; 0: cores shared evenly by the local ranks.
     threads: int = flag("--threads", "torch threads per process (default: cores / local "
-                        "processes)", default=0)
+                        "processes; 1 with --exact)", default=0)
     # Per-rank JSONL of the sample ids each step trained on.
     log_sample_ids: bool = flag(
         "--log-sample-ids", "write the sample ids of every step, per rank, to <run dir>/"
@@ -261,6 +271,19 @@ class Config:
                       "shard; torch's ZeroRedundancyOptimizer is the nearest)")
         if t.threads < 0:
             raise bad("train.threads", f"must be >= 0, got {t.threads}")
+        if t.virtual_shards is not None and not t.exact:
+            raise bad("--virtual-shards", "is exact mode's: add --exact")
+        if t.exact:
+            if t.engine != "ddpkit":
+                raise bad("--exact", "is ddpkit's engine's: leave out --engine torch")
+            if t.shard != "none":
+                raise bad("--shard", f"{t.shard!r} does not combine with --exact (exact mode "
+                          "sums whole gradients on every rank): leave out --shard")
+            if t.grad_accum != 1:
+                raise bad("--grad-accum", "does not combine with --exact: exact mode "
+                          "accumulates over virtual shards; use a --batch-size N times larger "
+                          "and --virtual-shards (the same samples per step, summed exactly)")
+            check_virtual_shards(self.virtual_shards(), t.batch_size, None)
         if not t.out_dir:
             raise bad("--out-dir", "must not be empty")
         if t.log_every_steps < 0:
@@ -284,17 +307,32 @@ class Config:
             raise bad("--collective-timeout", f"must be > 0 seconds, got {timeout}")
         return self
 
+    def virtual_shards(self) -> int | None:
+        """Exact mode's shards per step (the default for the batch when not given);
+        None in the default mode."""
+        t = self.train
+        if not t.exact:
+            return None
+        return t.virtual_shards or default_virtual_shards(t.batch_size)
+
     def identity(self) -> dict[str, Any]:
         """The settings a checkpoint must agree with to be resumed under this config:
         what shapes the model, the optimizer state and the data order. Epochs, output,
-        engine, threads, checkpoint and timeout settings may change on resume."""
+        engine, threads, checkpoint and timeout settings may change on resume; in
+        exact mode the shard count and the thread count may not (either changes the
+        bits)."""
         d, t = self.data, self.train
+        train: dict[str, Any] = {"seed": t.seed, "batch_size": t.batch_size,
+                                 "grad_accum": t.grad_accum}
+        if t.exact:
+            train.update(exact=True, virtual_shards=self.virtual_shards(),
+                         threads=t.threads or EXACT_THREADS)
         return {
             "data": {"name": d.name, "synthetic_size": d.synthetic_size,
                      "drop_last": d.drop_last},
             "model": dataclasses.asdict(self.model),
             "optim": dataclasses.asdict(self.optim),
-            "train": {"seed": t.seed, "batch_size": t.batch_size, "grad_accum": t.grad_accum},
+            "train": train,
         }
 
 

@@ -54,6 +54,7 @@ from ddpkit.log import get_logger
 from ddpkit.loop import Run
 from ddpkit.parallel import data_parallel
 from ddpkit.parallel.sharded_state import state_bytes
+from ddpkit.shard_count import EXACT_THREADS
 from ddpkit.train import progress, recipe, report
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums, gather_floats
@@ -121,7 +122,9 @@ class Trainer:
     ):
         self.cfg, self.world = cfg, world
         t = cfg.train
-        torch.set_num_threads(t.threads or default_threads(world))
+        # Exact mode: the same intra-op threads at every layout (the engine pins them).
+        threads = t.threads or (EXACT_THREADS if t.exact else default_threads(world))
+        torch.set_num_threads(threads)
         self.device = torch.device(world.device)
         train_set, test_set = datasets or recipe.load_data(cfg.data)
         self.train_set = _to_device(train_set, self.device)
@@ -132,13 +135,16 @@ class Trainer:
                                     train_set.num_classes).to(self.device)
         # The model is already on self.device and so are the batches, so neither engine
         # needs device_ids (torch DDP infers a single-device module's device).
+        exact = {"exact": True, "virtual_shards": cfg.virtual_shards()} if t.exact else {}
         self.model = (wrap(module, t.engine, self.device) if wrap is not None
-                      else data_parallel(module, engine=t.engine, comm=t.comm,
+                      else data_parallel(module, engine=t.engine, comm=t.comm, **exact,
                                          **({} if t.shard == "none" else {"shard": t.shard})))
+        torch.set_num_threads(threads)  # what the run asked for, also in exact mode
         # What actually runs: a custom ``wrap`` may not use the engine requested.
         self.engine = "torch" if type(self.model).__module__.startswith("torch.") else t.engine
-        # Dropout masks should differ between ranks but still follow from the seed.
-        torch.manual_seed(t.seed + 1 + world.rank)
+        # Dropout masks should differ between ranks but still follow from the seed. (In
+        # exact mode they follow the shard; nothing random is left per rank.)
+        torch.manual_seed(t.seed + 1 + (0 if t.exact else world.rank))
         # Sharded: the optimizer holds this rank's flat shards (and their state) only.
         self.sharded = getattr(self.model, "shard", "none") != "none"
         self.optimizer = recipe.build_optimizer(
@@ -149,7 +155,8 @@ class Trainer:
             len(train_set), t.batch_size, t.grad_accum, cfg.data.drop_last)
         self.sampler = ShardSampler(train_set, global_batch_size=t.batch_size,
                                     num_replicas=world.world_size, rank=world.rank,
-                                    seed=t.seed, drop_last=cfg.data.drop_last)
+                                    seed=t.seed, drop_last=cfg.data.drop_last,
+                                    virtual_shards=cfg.virtual_shards())
         eval_batch = math.ceil(t.eval_batch_size / world.world_size) * world.world_size
         self.test_sampler = ShardSampler(test_set, global_batch_size=eval_batch,
                                          num_replicas=world.world_size, rank=world.rank,
@@ -172,6 +179,7 @@ class Trainer:
             collective_timeout=cfg.fault.collective_timeout, resume=False,
             log_sample_ids=t.log_sample_ids, checkpoints=c.enabled, inject_faults=False,
             log_every=t.log_every_steps or None, log_with=t.log_with.split(","),
+            exact=t.exact,
         )
         self.run.hooks.append(self._step_callbacks)
         self.run.prepare()  # collective: an unwritable checkpoint directory fails here
@@ -364,6 +372,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         recipe.set_lr(self.optimizer, recipe.lr_at(self.loop.step, o.lr, o.lr_schedule,
                                                    o.warmup_steps, self.total_steps))
+        if self.cfg.train.exact:
+            self._exact_step(group[0], sums)
+            self.precision.step(self.optimizer, unwrap(self.model).parameters(),
+                                o.clip_grad_norm)
+            return
         # The step's loss is the mean over every real sample of its global batches.
         scale = self.world.world_size / sum(b.global_num_real for b in group)
         for i, batch in enumerate(group):
@@ -379,6 +392,26 @@ class Trainer:
             sums.add(losses.detach(), correct)
         self.precision.step(self.optimizer, unwrap(self.model).parameters(), o.clip_grad_norm,
                             clip_with=self.model.clip_grad_norm_ if self.sharded else None)
+
+    def _exact_step(self, batch: ShardBatch, sums: MetricSums) -> None:
+        """Exact mode: the batch's forward/backward shard by shard (docs/exact.md).
+        Each shard's loss is its real samples' sum times ``V / real samples in the
+        global batch``; the engine averages over the V shards, so the gradient is the
+        mean over the global batch, as in the default mode."""
+        x, y = self.train_set.batch(batch.indices)
+        real = torch.arange(len(batch.indices), device=self.device) < batch.num_real
+        scale = self.cfg.virtual_shards() / batch.global_num_real
+        all_losses, all_correct = [], []
+        for xs, ys, real_s in self.model.shards(x, y, real):
+            # A shard's real samples come first (the padding is at the batch's end).
+            n = int(real_s.sum())
+            with self.precision.autocast():
+                out = self.model(xs)
+            losses = F.nll_loss(self.precision.full(out), ys, reduction="none")[:n]
+            self.precision.backward(losses.sum() * scale)
+            all_losses.append(losses.detach())
+            all_correct.append(out[:n].argmax(dim=1) == ys[:n])
+        sums.add(torch.cat(all_losses), torch.cat(all_correct))
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:

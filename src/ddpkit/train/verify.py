@@ -11,6 +11,11 @@ magnitude more. We also check that all ranks hold identical parameters.
 
 Dropout is switched off on both sides: its masks depend on per-process random streams,
 which a single process cannot reproduce.
+
+``--exact`` (docs/exact.md) checks exact mode, where the claim is stronger: the W ranks
+end with *the same bits* as one process. The reference then runs each step's V virtual
+shards one after another in plain PyTorch, each in its own random stream (dropout
+stays on), and takes the exact mean of their gradients; the tolerance is zero.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import torch.nn.functional as F
 from ddpkit.data.datasets import ArrayDataset
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.exact_sum import ExactMean
+from ddpkit.parallel.virtual_shards import shard_rng
 from ddpkit.runtime import distributed
 from ddpkit.train import recipe
 from ddpkit.train.config import Config
@@ -62,16 +69,20 @@ class VerifyResult:
     tolerance: float
     max_abs_param: float
     passed: bool
+    virtual_shards: int = 0  # exact mode's shards per step; 0: the default mode
 
     def render(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
+        mode = f", exact ({self.virtual_shards} virtual shards)" if self.virtual_shards else ""
+        rule = ("tolerance (exact mode: the same bits)      " if self.virtual_shards else
+                f"tolerance ({ULPS_PER_STEP} eps x steps x max(1, max|param| = "
+                f"{self.max_abs_param:.3g}))  ")
         return "\n".join([
             f"verify: {self.world_size} ranks vs 1 process, {self.steps} steps, "
-            f"{self.dtype}, engine {self.engine}",
+            f"{self.dtype}, engine {self.engine}{mode}",
             f"  max |param(W ranks) - param(1 process)| = {self.max_abs_diff:.3e}",
             f"  max |param(rank r) - param(rank 0)|      = {self.max_rank_diff:.3e}",
-            f"  tolerance ({ULPS_PER_STEP} eps x steps x max(1, max|param| = "
-            f"{self.max_abs_param:.3g}))  = {self.tolerance:.3e}",
+            f"  {rule}= {self.tolerance:.3e}",
             f"  {verdict}",
         ])
 
@@ -126,6 +137,42 @@ def reference_parameters(cfg: Config, train_set: ArrayDataset, steps: int,
     return [p.detach().clone() for p in model.parameters()]
 
 
+def exact_reference_parameters(cfg: Config, train_set: ArrayDataset, steps: int,
+                               seed: int) -> list[torch.Tensor]:
+    """Exact mode on one process in plain PyTorch: each step's V shards in order, each
+    in its random stream ``(seed, step, shard)``, the loss of the trainer's exact step,
+    then the exact mean of the V gradients (no engine, no collectives)."""
+    v = cfg.virtual_shards()
+    torch.manual_seed(cfg.train.seed)
+    model = recipe.build_model(cfg.model, train_set.input_shape, train_set.num_classes)
+    model.train()
+    opt = recipe.build_optimizer(model.parameters(), cfg.optim)
+    sampler = ShardSampler(train_set, global_batch_size=cfg.train.batch_size, num_replicas=1,
+                           rank=0, seed=cfg.train.seed, drop_last=cfg.data.drop_last,
+                           virtual_shards=v)
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    rows = torch.empty(v, numel)
+    mean, result = ExactMean(v, numel, v), torch.empty(numel)
+    for step in range(steps):
+        batch = next(sampler.batches())
+        x, y = train_set.batch(batch.indices)
+        opt.zero_grad(set_to_none=True)
+        for k in range(v):
+            xs, ys = x[k::v].contiguous(), y[k::v].contiguous()
+            real = len(range(k, batch.num_real, v))  # a shard's real samples come first
+            with shard_rng(seed, step, k):
+                losses = F.nll_loss(model(xs), ys, reduction="none")[:real]
+                (losses.sum() * (v / batch.global_num_real)).backward()
+            torch.cat([p.grad.reshape(-1) for p in params], out=rows[k])
+            opt.zero_grad(set_to_none=True)
+        mean.mean(rows, result)
+        for p, g in zip(params, result.split([p.numel() for p in params]), strict=True):
+            p.grad = g.view_as(p)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def check_plain_steps(cfg: Config) -> None:
     """verify's reference takes plain optimizer steps: refuse what it does not model."""
     o, t = cfg.optim, cfg.train
@@ -144,12 +191,17 @@ def verify(cfg: Config, world: World, *, steps: int = 10, dtype: str = "float32"
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     check_plain_steps(cfg)
+    exact = cfg.train.exact
+    if exact and dtype != "float32":
+        raise ConfigError("ddpkit verify --exact compares float32 parameters (exact mode "
+                          "sums float32, bfloat16 and float16 gradients)")
     torch_dtype = DTYPES[dtype]
     datasets = _cast(recipe.load_data(cfg.data), torch_dtype)
     with default_dtype(torch_dtype):
         trainer = Trainer(cfg, world, datasets=datasets, wrap=wrap, write=False)
     trainer.model.train()
-    _no_dropout(trainer.model)
+    if not exact:  # exact mode draws dropout masks per shard: the reference can too
+        _no_dropout(trainer.model)
     taken = 0
     sums = MetricSums(trainer.device)
     while taken < steps:
@@ -169,14 +221,18 @@ def verify(cfg: Config, world: World, *, steps: int = 10, dtype: str = "float32"
     dist.all_reduce(rank_diff, op=dist.ReduceOp.MAX)
     if not world.is_main:
         return None
-    ref = reference_parameters(cfg, datasets[0], steps, torch_dtype)
+    if exact:
+        ref = exact_reference_parameters(cfg, datasets[0], steps, trainer.model.exact.seed)
+    else:
+        ref = reference_parameters(cfg, datasets[0], steps, torch_dtype)
     diff = max((a - b).abs().max().item() for a, b in zip(params, ref, strict=True))
     biggest = max(p.abs().max().item() for p in ref)
-    tol = tolerance(torch_dtype, steps, biggest)
+    tol = 0.0 if exact else tolerance(torch_dtype, steps, biggest)
     return VerifyResult(world_size=world.world_size, steps=steps, dtype=dtype,
                         engine=trainer.engine, max_abs_diff=diff,
                         max_rank_diff=rank_diff.item(), tolerance=tol, max_abs_param=biggest,
-                        passed=diff <= tol and rank_diff.item() == 0.0)
+                        passed=diff <= tol and rank_diff.item() == 0.0,
+                        virtual_shards=cfg.virtual_shards() or 0)
 
 
 def run_verify_worker(cfg: Config, steps: int, dtype: str, result_file: str | None) -> int:

@@ -1,0 +1,220 @@
+"""Exact mode vs the default mode: step time at the same global batch, and where exact
+mode's time goes.
+
+Models (side by side in the same processes: gloo, W ranks, 1 torch thread per rank):
+
+* ``main``  - the main job's model (``ddpkit train`` defaults: MLP 64-128-10 on 8x8
+  digits inputs), global batch ``--main-batch`` (128, the main job's);
+* ``mlp8m`` - the 8.4M-parameter MLP of benchmarks/ddp_step.py, at each global batch
+  of ``--mlp-batches``.
+
+Variants per model and batch, interleaved round by round in a fresh random order (the
+same on every rank), every round on fresh random batches:
+
+* ``default``  - ``DataParallel(model)``: one forward/backward of the local batch;
+* ``exact``    - ``DataParallel(model, exact=True, virtual_shards=V)``, V the default
+  for the global batch (``ddpkit.shard_count.default_virtual_shards``) or ``--shards``;
+* ``exact_1pr`` - exact mode with V = W: one shard per rank, so the gap to ``default``
+  is the exact sum alone, and the gap to ``exact`` the cost of more, smaller passes.
+
+A step is ``zero_grad`` + forward/backward (per shard in exact mode, mean loss per
+shard) + ``SGD.step``, each variant with the process-wide settings its mode has
+(exact mode: torch's deterministic algorithms on); reported is the median on rank 0.
+Exact steps are also taken apart (medians per step, rank 0): the sum's phases (local
+max, the MAX all-reduce, encode, the SUM all-reduce, decode) and the rest (the shards'
+forward and backward, moving each shard's gradients into its row, zero_grad and the
+SGD step).
+
+Run:  python benchmarks/exact_step.py [--world-size 2 --rounds 7 --json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import ddpkit
+from ddpkit.bench.output import write_json
+from ddpkit.parallel.exact_reducer import ExactReducer
+from ddpkit.parallel.exact_sum import ExactMean
+from ddpkit.shard_count import default_virtual_shards
+from ddpkit.train.models import MLP
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ddp_step import make_mlp  # noqa: E402  (the 8.4M-parameter benchmark MLP)
+
+PHASES = ("max", "all_reduce_max", "encode", "all_reduce_sum", "decode")
+_spent: dict[str, float] = collections.defaultdict(float)  # phase -> seconds, this step
+
+
+def _timed(name: str, fn):
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _spent[name] += time.perf_counter() - start
+
+    return run
+
+
+def _instrument() -> None:
+    """Time the exact sum's phases (benchmark only: wraps the methods in place)."""
+    ExactMean.local_max = _timed("max", ExactMean.local_max)
+    ExactMean.encode = _timed("encode", ExactMean.encode)
+    ExactMean.decode = _timed("decode", ExactMean.decode)
+    collective = ExactReducer._collective
+
+    def timed_collective(self, op):
+        return _timed(f"all_reduce_{op}", collective(self, op))
+
+    ExactReducer._collective = timed_collective
+
+
+def _main_model() -> nn.Module:
+    return MLP(64, 10, (128,))
+
+
+def _cases(opts: dict) -> list[tuple[str, int, int, int]]:
+    """(model, global batch, input width, V) per case."""
+    cases = [("main", opts["main_batch"], 64, opts["shards"] or
+              default_virtual_shards(opts["main_batch"]))]
+    for b in opts["mlp_batches"]:
+        cases.append(("mlp8m", b, 1024, opts["shards"] or default_virtual_shards(b)))
+    return cases
+
+
+def worker(world: ddpkit.World, opts: dict) -> dict:
+    torch.set_num_threads(1)
+    _instrument()
+    W, rank = world.world_size, world.rank
+    runs = {}
+    for model_name, batch, width, v in _cases(opts):
+        torch.manual_seed(0)
+        base = _main_model() if model_name == "main" else make_mlp()
+        for variant, shards in (("default", None), ("exact", v), ("exact_1pr", W)):
+            if shards is not None and (batch % shards or shards % W):
+                continue
+            module = copy.deepcopy(base)
+            model = (ddpkit.DataParallel(module) if shards is None else
+                     ddpkit.DataParallel(module, exact=True, virtual_shards=shards))
+            torch.set_num_threads(1)  # exact mode pins 1 too; the default the same
+            runs[(model_name, batch, variant)] = {
+                "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.01),
+                "shards": shards, "width": width, "batch": batch, "times": [],
+                "phases": collections.defaultdict(list)}
+    keys = list(runs)
+    for round_index in range(opts["rounds"]):
+        g = torch.Generator().manual_seed(1000 * round_index + 1 + rank)
+        data = {}
+        for key in keys:
+            r = runs[key]
+            local = r["batch"] // W
+            data[key] = (torch.randn(local, r["width"], generator=g),
+                         torch.randint(0, 10, (local,), generator=g))
+        for key in random.Random(round_index).sample(keys, len(keys)):
+            r = runs[key]
+            x, y = data[key]
+            steps = opts["steps"] + (opts["warmup"] if round_index == 0 else 0)
+            # Process-wide settings as each mode has them: exact mode turns on torch's
+            # deterministic algorithms (building an exact engine did it for everyone).
+            torch.use_deterministic_algorithms(r["shards"] is not None, warn_only=True)
+            for i in range(steps):
+                dist.barrier()
+                _spent.clear()
+                start = time.perf_counter()
+                r["opt"].zero_grad()
+                model = r["model"]
+                if r["shards"] is None:
+                    F.cross_entropy(model(x), y).backward()
+                else:
+                    for xs, ys in model.shards(x, y):
+                        F.cross_entropy(model(xs), ys).backward()
+                r["opt"].step()
+                elapsed = time.perf_counter() - start
+                if round_index > 0 or i >= opts["warmup"]:
+                    r["times"].append(elapsed)
+                    if r["shards"] is not None:
+                        for phase in PHASES:
+                            r["phases"][phase].append(_spent.get(phase, 0.0))
+        if rank == 0:
+            print(f"  round {round_index + 1}/{opts['rounds']} done", file=sys.stderr, flush=True)
+    out = {}
+    for (model_name, batch, variant), r in runs.items():
+        params = [p.detach() for p in r["model"].module.parameters()]
+        out[f"{model_name}|{batch}|{variant}"] = {
+            "shards": r["shards"], "times": r["times"],
+            "phases": {k: list(v) for k, v in r["phases"].items()},
+            "checksum": float(sum(p.double().sum() for p in params))}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--main-batch", type=int, default=128, help="global batch, main job's model")
+    p.add_argument("--mlp-batches", default="128,1024",
+                   help="global batches for the 8.4M-parameter MLP (comma-separated)")
+    p.add_argument("--shards", type=int, default=None,
+                   help="virtual shards for every exact case (default: each batch's default)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", default=os.path.join("benchmarks", "results", "exact_step.json"))
+    args = p.parse_args(argv)
+    opts = {"main_batch": args.main_batch,
+            "mlp_batches": [int(b) for b in args.mlp_batches.split(",") if b],
+            "shards": args.shards, "rounds": args.rounds, "steps": args.steps,
+            "warmup": args.warmup}
+    print(f"exact_step: {args.world_size} ranks gloo, 1 thread/rank, cases "
+          f"{_cases(opts)}", file=sys.stderr)
+    load_before = os.getloadavg()
+    results = ddpkit.spawn(worker, nprocs=args.world_size, args=(opts,))
+    load_after = os.getloadavg()
+    r0 = results[0]
+    rows = []
+    print(f"\n{'model':7}{'batch':>7}{'variant':>11}{'V':>4}{'median ms':>11}{'x default':>11}"
+          f"{'replicas ==':>13}   exact step taken apart (median ms)")
+    defaults = {k.rsplit("|", 1)[0]: statistics.median(v["times"]) * 1e3
+                for k, v in r0.items() if k.endswith("|default")}
+    for key, r in r0.items():
+        model_name, batch, variant = key.split("|")
+        ms = statistics.median(r["times"]) * 1e3
+        ratio = ms / defaults[f"{model_name}|{batch}"]
+        phases = {k: statistics.median(v) * 1e3 for k, v in r["phases"].items()}
+        if phases:
+            # the rest: the shards' forward/backward and gradient moves, zero_grad, SGD
+            phases["rest"] = ms - sum(phases.values())
+        same = len({res[key]["checksum"] for res in results}) == 1
+        rows.append({"model": model_name, "global_batch": int(batch), "variant": variant,
+                     "virtual_shards": r["shards"], "median_ms": round(ms, 3),
+                     "vs_default": round(ratio, 3), "replicas_equal": same,
+                     "phases_ms": {k: round(v, 3) for k, v in phases.items()},
+                     "samples": len(r["times"])})
+        parts = "  ".join(f"{k} {v:.2f}" for k, v in phases.items())
+        print(f"{model_name:7}{batch:>7}{variant:>11}{r['shards'] or '-':>4}{ms:11.2f}"
+              f"{ratio:11.3f}{same!s:>13}   {parts}")
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
+          f"({os.cpu_count()} cores)")
+    report = {"benchmark": "exact_step", "argv": sys.argv[1:], "world_size": args.world_size,
+              "torch": torch.__version__, "rows": rows, "loadavg_before": load_before,
+              "loadavg_after": load_after}
+    if args.json:
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        print(f"\nwrote {write_json(args.json, report, indent=2, final_newline=True)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,394 @@
+"""Exact mode of :class:`ddpkit.DataParallel`: the same bits at any world size.
+
+``DataParallel(model, exact=True, virtual_shards=V)`` trains so that W ranks end with
+the parameters one process would, bit for bit, for every W dividing V. A step is V
+*virtual shards* of the global batch (:mod:`ddpkit.parallel.virtual_shards`); a
+rank runs the V/W it owns one after another::
+
+    for xs, ys in model.shards(x, y):          # x, y: this rank's local batch
+        F.cross_entropy(model(xs), ys).backward()
+    optimizer.step()                           # .grad: the exact mean over all V shards
+
+Each shard's forward and backward see the same inputs (the same contiguous shapes),
+the same random numbers (torch's generators seeded from (seed, step, shard)) and the
+same intra-op thread count wherever they run, so each shard's gradient has the same
+bits on any rank. When the shard's backward ends, its gradients are moved into this
+rank's row for that shard (``param.grad`` goes back to None, so the next shard's
+backward starts clean).
+When the last local shard's backward ends, the rows are summed with
+:class:`ddpkit.parallel.exact_sum.ExactMean` (an associative fixed-point sum, one MAX
+and one SUM all-reduce) and ``.grad`` holds the mean over the V shards: the sum does
+not depend on which rank held which shard, so neither do the bits.
+
+What exact mode refuses (one line each): comm hooks, ``no_sync()`` (accumulation is
+more shards), ``ddpkit.join`` (shards are equal by construction), layers that update
+buffers in forward (BatchNorm's running statistics: per shard they would depend on the
+shard order; a buffer changed any other way during a step is an error at its end),
+parameters on several devices, float64 parameters (the 53-bit fixed point would round
+them more than float64 summation does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpkit.comm.collectives import all_reduce as comm_all_reduce
+from ddpkit.comm.shm.hook import ShmState
+from ddpkit.errors import ConfigError, DdpkitError
+from ddpkit.lifetime import no_python_tls
+from ddpkit.log import get_logger
+from ddpkit.parallel import transport
+from ddpkit.parallel.exact_sum import ExactMean
+from ddpkit.parallel.state_sync import broadcast_coalesced
+from ddpkit.parallel.virtual_shards import local_slices, pin_numerics, shard_rng
+from ddpkit.shard_count import EXACT_THREADS, check_virtual_shards
+
+log = get_logger(__name__)
+
+EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_RUNNING_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def refuse_running_statistics(module: nn.Module) -> None:
+    """A layer that updates running statistics in every training forward would, per
+    shard, fold them in an order that depends on the layout: refused, naming it."""
+    for name, m in module.named_modules():
+        if isinstance(m, _RUNNING_STATS) and getattr(m, "track_running_stats", False):
+            raise ConfigError(
+                f"exact mode: {type(m).__name__} {name or '(the model)'!r} updates running "
+                "statistics in every forward, which per shard would depend on the process "
+                "layout; use GroupNorm or LayerNorm, or track_running_stats=False")
+
+
+def _agreed_seed(group, device: torch.device) -> int:
+    """Rank 0's ``torch.initial_seed()`` (the seed the program gave torch), on every rank."""
+    seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64,
+                        device=device)
+    if dist.get_world_size(group) > 1:
+        broadcast_coalesced([seed], 0, group)
+    return int(seed.item())
+
+
+class ExactReducer:
+    """DataParallel's reducer in exact mode (see the module docstring).
+
+    It stands in for the engine's reducer and transport: the engine's forward arms it
+    (:meth:`arm`), and :meth:`shards` is ``DataParallel.shards``. ``step`` counts the
+    reductions done (the shard streams' step); with ``virtual_shards`` and ``seed`` it
+    is the state a checkpoint keeps (:meth:`state_dict`).
+    """
+
+    name = "exact"  # as the engine's transport
+    reduces_inline = True
+    comm_hook = None
+    buckets: list = []  # no gradient buckets: one row per local shard instead
+
+    def __init__(self, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]],
+                 group, *, virtual_shards: int | None, comm: str,
+                 find_unused_parameters: bool, seed: int | None = None):
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        devices = sorted({str(p.device) for p in self.params})
+        if len(devices) > 1:
+            raise ConfigError(f"exact mode keeps one device's parameters; this model's are "
+                              f"on {', '.join(devices)}")
+        for n, p in named_params:
+            if p.dtype not in EXACT_DTYPES:
+                raise ConfigError(
+                    f"exact mode sums float32, bfloat16 and float16 gradients; parameter "
+                    f"{n!r} is {p.dtype} (its 53-bit fixed-point sum would round float64 "
+                    "more than float64 summation does)")
+        refuse_running_statistics(module)
+        self.device = self.params[0].device
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        # Where the two all-reduces of a step run: the host's shared memory (with the
+        # reduced buffers allocated in it, so nothing is copied in or out) when the
+        # transport choice says so, else ddpkit.comm with that algorithm.
+        self.algo = transport.resolve(comm, [self.device.type], group)
+        self._shm = ShmState(group) if self.algo == "shm" and self.world_size > 1 else None
+        self.find_unused = find_unused_parameters
+        self.virtual_shards: int | None = None
+        if virtual_shards is not None:
+            self.set_virtual_shards(virtual_shards)
+        self.seed = _agreed_seed(group, self.device) if seed is None else int(seed)
+        self.step = 0
+        self.synced_iterations = 0
+        self._buffers = list(module.named_buffers())
+        self._offsets: list[int] = []
+        total = 0
+        for p in self.params:
+            self._offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self._slots: torch.Tensor | None = None  # [V/W, numel] float32: a row per shard
+        self._rows: list[list[torch.Tensor]] = []  # per row, a view per parameter
+        self._result = torch.empty(total, dtype=torch.float32, device=self.device)
+        self._mean: ExactMean | None = None
+        self._local: int | None = None  # the local shard being run, inside shards()
+        self._done = 0  # local shards of this step whose backward has ended
+        self.armed = False
+        self._captured: list[bool] = []  # per local shard: its backward has been taken
+        self._used = [False] * len(self.params)
+        self._callback_queued = False
+        self._versions: list[int] = []
+        if torch.get_num_threads() != EXACT_THREADS:
+            log.info(f"exact mode: {EXACT_THREADS} intra-op thread per process (was "
+                     f"{torch.get_num_threads()}); results then do not depend on the cores "
+                     "a rank has. torch.set_num_threads(N) afterwards trades that for "
+                     "speed: every run that must match then needs the same N")
+        pin_numerics(EXACT_THREADS, cuda=self.device.type == "cuda")
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                         for i, p in enumerate(self.params)]
+
+    # -- settings and state --------------------------------------------------------------
+
+    def set_virtual_shards(self, virtual_shards: int) -> None:
+        """Fix V (before the first step; ``ddpkit.Run(exact=True)`` sets it from its
+        sampler when the engine was built without it)."""
+        v = check_virtual_shards(virtual_shards, None, self.world_size)
+        if self.virtual_shards not in (None, v) and self.step:
+            raise ConfigError(f"exact mode: this run has {self.virtual_shards} virtual shards; "
+                              f"they cannot change to {v} in the middle of it")
+        self.virtual_shards = v
+
+    def state_dict(self) -> dict[str, int]:
+        """What a resume needs: the shard count (it must not change), the step of the
+        shard streams and their seed."""
+        return {"virtual_shards": int(self.virtual_shards or 0), "step": self.step,
+                "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = int(state["virtual_shards"])
+        if self.virtual_shards is None:
+            self.set_virtual_shards(saved)
+        self.step = int(state["step"])
+        self.seed = int(state["seed"])
+
+    # -- the shard loop ------------------------------------------------------------------
+
+    def shards(self, tensors: Sequence[torch.Tensor]) -> Iterator[Any]:
+        """This rank's shards of its local batch (each tensor cut alike along dim 0),
+        each yielded inside its own random stream; see DataParallel.shards."""
+        v = self.virtual_shards
+        if v is None:
+            raise ConfigError(
+                "exact mode needs the number of virtual shards: DataParallel(model, "
+                "exact=True, virtual_shards=V), or ddpkit.Run(..., exact=True), which takes "
+                "it from the sampler")
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise ConfigError("model.shards(...) takes this rank's batch tensors, e.g. "
+                              "model.shards(x, y)")
+        lengths = {len(t) for t in tensors}
+        if len(lengths) != 1:
+            raise ConfigError(f"model.shards(...): the tensors hold {sorted(lengths)} samples; "
+                              "give the same batch's tensors")
+        slices = local_slices(lengths.pop(), v, self.world_size)
+        self._begin_step(len(slices))
+        finished = False
+        try:
+            for m, part in enumerate(slices):
+                # Contiguous copies: a strided view's layout (its stride is V/W rows)
+                # could steer a kernel to another code path at another world size.
+                pieces = tuple(t[part].contiguous() for t in tensors)
+                with shard_rng(self.seed, self.step, self.rank + m * self.world_size,
+                               [self.device]):
+                    self._local = m
+                    yield pieces[0] if len(pieces) == 1 else pieces
+                    self._local = None
+                if self._done != m + 1:
+                    raise DdpkitError(
+                        f"exact mode: shard {m + 1} of {len(slices)} on this rank ran no "
+                        "backward through the model; each shard needs one forward and one "
+                        "backward (loss.backward()) inside the loop")
+            finished = True
+        finally:
+            self._local = None
+            self.armed = False
+            if not finished:
+                self._done = 0
+
+    def _begin_step(self, local_shards: int) -> None:
+        leftover = [self.names[i] for i, p in enumerate(self.params) if p.grad is not None]
+        if leftover:
+            raise ConfigError(
+                f"exact mode: {leftover[0]!r} still has a gradient when a step's shards begin; "
+                "call optimizer.zero_grad() (set_to_none=True, its default) before each step "
+                "(exact mode accumulates across shards, not across steps)")
+        if self._slots is None or self._slots.shape[0] != local_shards:
+            self._slots = torch.empty(local_shards, self.numel, dtype=torch.float32,
+                                      device=self.device)
+            self._rows = [[self._slots[m, o:o + p.numel()].view_as(p)
+                           for o, p in zip(self._offsets, self.params, strict=True)]
+                          for m in range(local_shards)]
+            self._mean = ExactMean(local_shards, self.numel, self.virtual_shards,
+                                   extra=len(self.params), device=self.device,
+                                   allocate=self._shm.allocate if self._shm else None)
+        self._done = 0
+        self._used = [False] * len(self.params)
+        self._captured = [False] * local_shards
+        self._versions = [b._version for _, b in self._buffers]
+
+    # -- the engine's reducer interface --------------------------------------------------
+
+    def arm(self, divisor: int) -> None:
+        if self._local is None:
+            raise ConfigError(
+                "exact mode: run each training forward/backward inside the shard loop: "
+                "for xs, ys in model.shards(x, y): model(xs) ... .backward()")
+        stray = next((n for n, p in zip(self.names, self.params) if p.grad is not None), None)
+        if stray is not None:
+            raise DdpkitError(
+                f"exact mode: {stray!r} has a gradient that no shard's backward through the "
+                "model left (a second backward in a shard, or one outside model.shards()); "
+                "run one backward per shard")
+        self.armed = True
+
+    def disarm(self) -> None:
+        if self._local is not None and torch.is_grad_enabled():
+            raise ConfigError("exact mode has no no_sync(): gradient accumulation is more "
+                              "virtual shards per step (virtual_shards=)")
+        self.armed = False
+
+    def maybe_rebuild(self, src: int) -> None:
+        """No buckets to re-assign."""
+
+    def bucket_sizes(self) -> list[list[str]]:
+        return [list(self.names)]
+
+    def use_single_initial_bucket(self) -> None:
+        raise ConfigError("exact mode sums gradients itself; comm hooks do not apply")
+
+    def shadow_backward(self, divisor: int) -> None:
+        raise ConfigError("exact mode does not join uneven inputs: its shards are equal")
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    # the engine's transport interface (buffers, join): only the broadcast is meaningful
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int, *,
+                  every_step: bool = False) -> None:
+        broadcast_coalesced(tensors, src, self.group)
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise ConfigError("exact mode does not join uneven inputs (ddpkit.join, torch's "
+                          "Join): every rank runs the same shards, padded to equal size")
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
+
+    # -- one shard's backward ------------------------------------------------------------
+
+    def _make_hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            # Only to get the end-of-backward callback queued (that needs a running
+            # backward); the callback moves every gradient at once.
+            if self.armed and not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    self._end_of_backward)
+
+        return hook
+
+    def _end_of_backward(self) -> None:
+        """A shard's backward is over: its gradients go to its row, ``.grad`` to None."""
+        self._callback_queued = False
+        self.armed = False
+        m = self._local
+        if self._captured[m]:
+            raise DdpkitError("exact mode: a second backward in one shard; run one backward "
+                              "per shard (sum the losses first)")
+        self._captured[m] = True
+        grads = [p.grad for p in self.params]
+        missing = [i for i, g in enumerate(grads) if g is None]
+        if missing and not self.find_unused:
+            names = ", ".join(repr(self.names[i]) for i in missing[:8])
+            more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+            raise DdpkitError(
+                f"DataParallel: parameters got no gradient in this shard's backward: {names}"
+                f"{more}. Pass find_unused_parameters=True if the graph skips them on "
+                "purpose, or make sure the loss depends on every parameter")
+        sparse = next((i for i, g in enumerate(grads) if g is not None and g.is_sparse), None)
+        if sparse is not None:
+            raise DdpkitError(f"parameter {self.names[sparse]!r} has a sparse gradient; exact "
+                              "mode sums dense gradients (nn.Embedding(sparse=False))")
+        views = self._rows[m]
+        if missing:
+            for i in missing:  # contributes zeros
+                views[i].zero_()
+            used = [i for i, g in enumerate(grads) if g is not None]
+            torch._foreach_copy_([views[i] for i in used], [grads[i] for i in used])
+        else:
+            torch._foreach_copy_(views, grads)  # one pass for every parameter
+        for i, p in enumerate(self.params):
+            if grads[i] is not None:
+                self._used[i] = True
+                p.grad = None  # the next shard's backward writes a fresh gradient
+        self._done += 1
+        if self._done == len(self._rows):
+            self._reduce()
+
+    def _reduce(self) -> None:
+        used = torch.tensor(self._used, dtype=torch.float32, device=self.device)
+        many = self.world_size > 1
+        # Inside backward (this is its end callback): collectives must not capture
+        # autograd's Python thread-local state (see ddpkit.lifetime).
+        with no_python_tls():
+            self._mean.mean(self._slots, self._result,
+                            all_reduce_max=self._collective("max") if many else None,
+                            all_reduce_sum=self._collective("sum") if many else None,
+                            extra_max=used)
+        with torch.no_grad():
+            for i, (p, anywhere) in enumerate(zip(self.params, used.tolist(), strict=True)):
+                if not anywhere:
+                    p.grad = None  # unused on every rank, like torch DDP: optimizers skip it
+                    continue
+                start = self._offsets[i]
+                view = self._result[start:start + p.numel()].view_as(p)
+                p.grad = view if p.dtype == view.dtype else view.to(p.dtype)
+        self.step += 1
+        self.synced_iterations += 1
+        changed = [name for (name, b), before in zip(self._buffers, self._versions)
+                   if b._version != before]
+        if changed:
+            raise DdpkitError(
+                f"exact mode: buffer {changed[0]!r} changed during the step; per shard its "
+                "value would depend on the process layout (a layer that updates state in "
+                "forward: make it stateless, or update it outside the shard loop)")
+
+    def _collective(self, op: str):
+        def run(tensor: torch.Tensor) -> None:
+            if self._shm is not None:
+                self._shm.all_reduce(tensor, op)
+            else:
+                comm_all_reduce(tensor, op=op, algo=self.algo, group=self.group)
+
+        return run
+
+
+def attach(model: Any, module: nn.Module, trainable: Sequence[tuple[str, nn.Parameter]],
+           group, *, virtual_shards: int | None, comm: str, comm_hook: Any,
+           find_unused_parameters: bool) -> None:
+    """Make ``model`` (a DataParallel being built) exact: its reducer and transport are
+    one :class:`ExactReducer`, and buffers are not re-broadcast before each forward
+    (they cannot change during training in exact mode)."""
+    if comm_hook is not None or callable(comm):
+        raise ConfigError("exact mode sums gradients itself; pass no comm hook")
+    reducer = ExactReducer(module, trainable, group, virtual_shards=virtual_shards,
+                           comm=comm, find_unused_parameters=find_unused_parameters)
+    model.exact = model.reducer = model.transport = reducer
+    model.comm = reducer.name
+    model.broadcast_buffers = False
+
+
+__all__ = ["EXACT_DTYPES", "ExactReducer", "attach", "refuse_running_statistics"]

@@ -1,0 +1,119 @@
+"""Virtual shards: one step's global batch cut into V pieces that do not depend on W.
+
+Exact mode computes every step as V separate forward/backward passes ("shards") of
+fixed shapes, and each rank of W runs the V/W shards it owns one after another. Which
+samples a shard holds, which random numbers it draws and how many intra-op threads
+compute it must then not depend on W; this module defines all three.
+
+* **Samples.** Shard ``k`` of a global batch holds positions ``k, k + V, k + 2V, ...``
+  of it. :class:`ddpkit.data.ShardSampler` gives rank ``r`` of W the positions
+  ``r, r + W, ...``, so (with W dividing V) rank ``r`` owns shards ``r, r + W, ...``,
+  and its ``m``-th shard is its local batch's entries ``m, m + V/W, ...``
+  (:func:`local_slices`). The last batch of an epoch is padded to a multiple of V
+  (``ShardSampler(virtual_shards=V)``), so every shard of a step has the same size.
+* **Random numbers.** Shard ``k`` of step ``s`` draws from torch's generators seeded
+  with :func:`shard_seed` ``(seed, s, k)`` (:func:`shard_rng`), then the caller's
+  streams are put back: dropout masks follow the shard, not the rank.
+* **Numerics.** :func:`pin_numerics` fixes what changes a kernel's bits between
+  layouts: the intra-op thread count (a reduction split over 2 threads rounds
+  differently from 1; measured on this project's MLP) and torch's deterministic
+  algorithms (CUDA's atomics-based kernels).
+
+:func:`default_virtual_shards` picks V for a global batch (:mod:`ddpkit.shard_count`,
+torch-free, so the launcher checks a run before any worker starts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from ddpkit.errors import ConfigError
+from ddpkit.shard_count import EXACT_THREADS
+
+_MASK64 = (1 << 64) - 1
+
+
+def owned_shards(rank: int, world_size: int, virtual_shards: int) -> range:
+    """The global indices of the shards rank ``rank`` of ``world_size`` runs, in order."""
+    return range(rank, virtual_shards, world_size)
+
+
+def local_slices(length: int, virtual_shards: int, world_size: int) -> list[slice]:
+    """How a rank's local batch of ``length`` entries splits into its shards: entry
+    ``j`` belongs to its ``j % (V/W)``-th shard (see the module docstring)."""
+    per_rank = virtual_shards // world_size
+    if length % per_rank:
+        raise ConfigError(
+            f"a local batch of {length} samples does not split into {per_rank} shards of "
+            f"equal size: with {virtual_shards} virtual shards the global batch must be a "
+            f"multiple of {virtual_shards}, and the last batch of an epoch padded to one "
+            f"(ShardSampler(..., virtual_shards={virtual_shards}))")
+    return [slice(m, None, per_rank) for m in range(per_rank)]
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def shard_seed(seed: int, step: int, shard: int) -> int:
+    """A 64-bit seed for shard ``shard`` of step ``step`` of a run seeded ``seed``:
+    distinct triples give unrelated seeds (splitmix64 chained over the three)."""
+    h = _splitmix64(seed & _MASK64)
+    h = _splitmix64(h ^ (step & _MASK64))
+    return _splitmix64(h ^ (shard & _MASK64))
+
+
+def _generators(devices: Sequence[torch.device]) -> list[torch.Generator]:
+    found = [torch.default_generator]
+    for device in devices:
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            found.append(torch.cuda.default_generators[index])
+    return found
+
+
+@contextlib.contextmanager
+def shard_rng(seed: int, step: int, shard: int,
+              devices: Sequence[torch.device] = ()) -> Iterator[int]:
+    """Inside: torch's CPU generator (and those of ``devices``' CUDA devices) seeded
+    for this shard; afterwards they are back where they were. Yields the seed.
+
+    (The generators are seeded directly: ``torch.manual_seed`` queues a seed for every
+    accelerator type with a stack trace each, ~0.3 ms a call here.)
+    """
+    value = shard_seed(seed, step, shard)
+    generators = _generators(devices)
+    saved = [g.get_state() for g in generators]
+    try:
+        for g in generators:
+            g.manual_seed(value)
+        yield value
+    finally:
+        for g, state in zip(generators, saved):
+            g.set_state(state)
+
+
+def pin_numerics(threads: int = EXACT_THREADS, *, cuda: bool = False) -> None:
+    """Fix what makes a kernel's bits depend on the process layout: ``threads``
+    intra-op threads, deterministic algorithms (warn-only: an op without a
+    deterministic version still runs, and torch warns), and on CUDA the cuBLAS
+    workspace setting deterministic algorithms need."""
+    if threads < 1:
+        raise ConfigError(f"exact mode needs at least one intra-op thread, got {threads}")
+    torch.set_num_threads(threads)
+    if cuda:
+        # cuBLAS reads this when it creates a handle; set before any CUDA matmul.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+__all__ = ["local_slices", "owned_shards", "pin_numerics", "shard_rng",
+           "shard_seed"]

@@ -1,0 +1,193 @@
+"""Exact mode's arithmetic, in one process: the reproducible mean, virtual shards,
+shard random streams.
+
+The mean is checked against the float64 mean of the same float32 terms: within its
+documented bound, never further off than float32 summation, and the same bits for
+every grouping of the terms into "ranks" and every order of adding their partial sums.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ddpkit.data.partition import ShardSampler
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.exact_sum import ExactMean, fixed_point_bits
+from ddpkit.parallel.virtual_shards import local_slices, owned_shards, shard_rng, shard_seed
+from ddpkit.shard_count import check_virtual_shards, default_virtual_shards, world_sizes
+
+
+def _terms(v: int, n: int, seed: int = 0) -> torch.Tensor:
+    """Float32 terms over 74 decades, with the awkward values planted."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(v, n, generator=g) * torch.logspace(-44, 30, n)
+    x[:, 0] = 0.0
+    x[:, 1] = -0.0
+    x[0, 2] = 1e-45  # float32's smallest subnormal
+    x[:, 3] = 3e38  # the float32 sum overflows; the mean does not
+    x[:, 4] = torch.tensor([1.0, -1.0] * (v // 2) + [0.0] * (v % 2))  # cancels exactly
+    return x
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def _grouped_mean(terms: torch.Tensor, groups: list[list[int]], order: list[int]) -> torch.Tensor:
+    """The mean computed as ranks would: each group is one rank's rows; the MAX and SUM
+    all-reduces are done here, the SUM in the given order of groups."""
+    v, n = terms.shape
+    ranks = [ExactMean(len(g), n, v) for g in groups]
+    for mean, rows in zip(ranks, groups, strict=True):
+        mean.local_max(terms[rows])
+    agreed = torch.stack([m.maxima for m in ranks]).amax(0)
+    for mean in ranks:
+        mean.maxima.copy_(agreed)
+    partial = [m.encode(terms[rows]).clone() for m, rows in zip(ranks, groups, strict=True)]
+    total = partial[order[0]].clone()
+    for i in order[1:]:
+        total += partial[i]
+    ranks[0].total.copy_(total)
+    return ranks[0].decode(torch.empty(n))
+
+
+@pytest.mark.parametrize("v", [1, 2, 3, 12])
+def test_mean_is_within_its_bound_and_never_worse_than_float32(v):
+    terms = _terms(v, 8_000, seed=v)
+    got = ExactMean(v, terms.shape[1], v).mean(terms, torch.empty(terms.shape[1])).double()
+    exact = terms.double().sum(0) / v
+    plain = (terms.sum(0) / v).double()
+    finite = torch.isfinite(exact)
+    err, plain_err = (got - exact).abs()[finite], (plain - exact).abs()[finite]
+    bound = ((2.0**-24 + 2.0**-53) * exact.abs() + 2.0**-fixed_point_bits(v)
+             * terms.double().abs().amax(0) + 2.0**-150)[finite]
+    assert (err <= bound).all()
+    assert (err <= plain_err).all()
+    assert got[3] == terms[0, 3]  # no overflow in the sum (float32's does, from 2 terms)
+    assert torch.isinf(plain[3]) == (v > 1)
+    assert got[4] == exact[4]
+    if v == 1:  # one term: the term itself (with -0 as +0, as every zero sum is)
+        assert torch.equal(_bits(got.float()), _bits(terms[0] + 0.0))
+
+
+def test_same_bits_for_every_grouping_and_order():
+    v = 12
+    terms = _terms(v, 4_000, seed=5)
+    reference = _bits(ExactMean(v, terms.shape[1], v).mean(terms, torch.empty(4_000)))
+    rng = random.Random(1)
+    for world in (2, 3, 4, 6, 12):
+        shards = list(range(v))
+        rng.shuffle(shards)
+        groups = [shards[r::world] for r in range(world)]
+        order = rng.sample(range(world), world)
+        assert torch.equal(_bits(_grouped_mean(terms, groups, order)), reference), world
+    # The plain float32 sum of the same rows does depend on the grouping.
+    a = terms[:6].sum(0) + terms[6:].sum(0)
+    b = terms[0::2].sum(0) + terms[1::2].sum(0)
+    assert not torch.equal(a, b)
+
+
+def test_non_finite_terms_give_the_same_non_finite_result_everywhere():
+    v = 4
+    terms = torch.ones(v, 4)
+    terms[1, 0] = float("inf")
+    terms[2, 1] = float("nan")
+    terms[0, 2], terms[3, 2] = float("inf"), float("-inf")
+    one = ExactMean(v, 4, v).mean(terms, torch.empty(4))
+    two = _grouped_mean(terms, [[3, 1], [0, 2]], [1, 0])
+    assert torch.isinf(one[0]) and one[0] > 0
+    assert torch.isnan(one[1]) and torch.isnan(one[2])
+    assert one[3] == 1.0
+    assert torch.equal(_bits(one), _bits(two))
+
+
+def test_extra_values_ride_along_in_the_max():
+    terms = torch.randn(2, 10)
+    mean = ExactMean(2, 10, 4, extra=3)
+    flags = torch.tensor([0.0, 1.0, 0.0])
+
+    def others_used_the_first(t):  # another rank: parameter 0 used there
+        t[-3] = torch.maximum(t[-3], torch.tensor(1.0))
+
+    mean.mean(terms, torch.empty(10), all_reduce_max=others_used_the_first, extra_max=flags)
+    assert flags.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_default_virtual_shards_serve_the_most_world_sizes():
+    assert default_virtual_shards(96) == 12
+    assert world_sizes(12) == [1, 2, 3, 4, 6, 12]
+    assert default_virtual_shards(128) == 8
+    assert default_virtual_shards(100) == 10
+    assert default_virtual_shards(300) == 12
+    assert default_virtual_shards(7) == 7
+    assert fixed_point_bits(12) == 49 and fixed_point_bits(1) == 53
+
+
+@pytest.mark.parametrize(("v", "batch", "world", "message"), [
+    (5, 96, None, "5 virtual shards do not divide the global batch of 96; use a divisor of "
+                  "it (e.g. 12)"),
+    (12, 96, 5, "exact mode with 12 virtual shards runs on 1, 2, 3, 4, 6, 12 processes, "
+                "not 5"),
+    (0, 96, 2, "virtual shards must be a positive integer, got 0"),
+])
+def test_virtual_shard_mistakes_are_one_line(v, batch, world, message):
+    with pytest.raises(ConfigError) as err:
+        check_virtual_shards(v, batch, world)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_each_shard_holds_the_same_samples_at_every_world_size(drop_last):
+    """Over two epochs of a batch that does not divide the data (a padded last batch),
+    shard k of every step holds the same samples in the same order for W = 1..4."""
+    v, batch, n = 12, 96, 250
+
+    def shards_by_step(world):
+        out = {}
+        for rank in range(world):
+            sampler = ShardSampler(n, global_batch_size=batch, num_replicas=world, rank=rank,
+                                   seed=3, drop_last=drop_last, virtual_shards=v)
+            for step, b in enumerate(list(sampler.batches()) + list(sampler.batches())):
+                parts = local_slices(len(b.indices), v, world)
+                for k, part in zip(owned_shards(rank, world, v), parts, strict=True):
+                    mine = b.indices[part]
+                    real = len([j for j in range(len(b.indices))[part] if j < b.num_real])
+                    out[(step, k)] = (mine, real, b.global_num_real)
+        return out
+
+    one = shards_by_step(1)
+    assert len({len(s[0]) for key, s in one.items() if key[0] == 2}) == 1  # equal shards
+    for world in (2, 3, 4):
+        assert shards_by_step(world) == one
+
+
+def test_sampler_refuses_shards_that_do_not_fit():
+    with pytest.raises(ConfigError, match="must divide the global batch"):
+        ShardSampler(100, global_batch_size=96, num_replicas=2, rank=0, virtual_shards=5)
+    with pytest.raises(ConfigError, match="multiple of the world size"):
+        ShardSampler(100, global_batch_size=96, num_replicas=8, rank=0, virtual_shards=12)
+
+
+def test_a_local_batch_that_does_not_cut_into_its_shards_is_one_line():
+    with pytest.raises(ConfigError, match=r"ShardSampler\(\.\.\., virtual_shards=12\)"):
+        local_slices(25, 12, 2)
+
+
+def test_shard_streams_depend_on_seed_step_and_shard_only():
+    seeds = {shard_seed(s, t, k) for s in range(3) for t in range(5) for k in range(12)}
+    assert len(seeds) == 3 * 5 * 12
+    torch.manual_seed(99)
+    before = torch.get_rng_state()
+    with shard_rng(1, 2, 3) as seed:
+        first = torch.rand(5)
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's stream is untouched
+    torch.rand(7)  # whatever the caller drew meanwhile
+    with shard_rng(1, 2, 3):
+        again = torch.rand(5)
+    with shard_rng(1, 2, 4):
+        other = torch.rand(5)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert seed == shard_seed(1, 2, 3)
