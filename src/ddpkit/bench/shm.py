@@ -67,7 +67,7 @@ def human(nbytes: float) -> str:
 def _calls(comm, private: torch.Tensor, shared: torch.Tensor) -> dict:
     from ddpkit import comm as public
     from ddpkit.comm.agreement import CallSignature
-    from ddpkit.comm.shm.allreduce import ShmAlgorithm
+    from ddpkit.comm.shm.algorithm import ShmAlgorithm
 
     # What the public door hands the "shm" algorithm for ``all_reduce(private)`` (its call
     # object carries these fields), and the word the algorithm derives from it per call.

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ddpkit.comm.shm.allreduce import chunk_bounds
+from ddpkit.comm.shm.collectives import chunk_bounds
 from ddpkit.parallel.buckets import Allocator, Bucket, default_allocator
 from ddpkit.parallel.reducer import Reducer, initial_assignment
 
