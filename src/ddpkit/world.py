@@ -255,8 +255,8 @@ def assign_devices(
 ) -> tuple[str, ...]:
     """Devices of one process: a contiguous block chosen by *local* rank.
 
-    The seed's model-parallel demo uses ``dev0 = rank*2, dev1 = rank*2+1``; with global
-    rank that breaks on every node but the first, so the block comes from local rank.
+    PyTorch's DDP tutorial's model-parallel demo uses ``dev0 = rank*2, dev1 = rank*2+1``;
+    with global rank that breaks on every node but the first, so the block comes from local rank.
     On CPU every process gets "cpu" (any count is allowed: they share the host).
     """
     if devices_per_process < 1:
