@@ -1,4 +1,4 @@
-"""Re-measure issue 3's target: segmented ring vs gloo all_reduce bus bandwidth, 2 ranks.
+"""Segmented ring vs gloo all_reduce bus bandwidth, 2 ranks.
 
     .venv/bin/python benchmarks/collectives.py [more `ddpkit bench collectives` options]
 

@@ -79,7 +79,7 @@ def make_mlp() -> nn.Module:
 
 
 def naive_average_gradients(model: nn.Module) -> None:
-    """Seed 000's average_gradients: one all_reduce per parameter, then divide."""
+    """The distributed tutorial's average_gradients: one all_reduce per parameter, then divide."""
     size = float(dist.get_world_size())
     for p in model.parameters():
         dist.all_reduce(p.grad.data, op=dist.ReduceOp.SUM)

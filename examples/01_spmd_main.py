@@ -1,4 +1,5 @@
-"""Seed 000: an SPMD program launched by torchrun; ranks come from the environment.
+"""An SPMD program launched by torchrun (PyTorch's torchrun DDP example); ranks come from
+the environment.
 
 Run:  ddpkit launch --nproc-per-node 2 examples/01_spmd_main.py
  (or: torchrun --standalone --nproc-per-node 2 examples/01_spmd_main.py)

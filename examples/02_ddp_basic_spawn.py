@@ -1,4 +1,4 @@
-"""Seed 001's basic DDP demo, started from Python instead of a launcher.
+"""PyTorch's DDP tutorial's basic DDP demo, started from Python instead of a launcher.
 
 The tutorial uses mp.spawn with a hard-coded MASTER_PORT (12355); ddpkit.spawn gives each
 run a private FileStore instead, so two copies of this script never collide.

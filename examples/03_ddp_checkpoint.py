@@ -1,4 +1,4 @@
-"""Seed 001's checkpoint demo: save on rank 0, barrier, load everywhere with map_location.
+"""The DDP tutorial's checkpoint demo: save on rank 0, barrier, load everywhere with map_location.
 
 Saving from one process is enough because DDP keeps replicas identical (same start, same
 averaged gradients, same optimizer step). The barrier keeps other ranks from reading the

@@ -1,4 +1,4 @@
-"""Seed 001's DDP + model parallel demo: each replica spans two devices.
+"""PyTorch's DDP tutorial's DDP + model parallel demo: each replica spans two devices.
 
 The model places its two halves on dev0 and dev1 itself and moves activations between
 them in forward, so DDP gets no device_ids (it must not scatter inputs to one device).

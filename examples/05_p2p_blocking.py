@@ -1,4 +1,4 @@
-"""Seed 004: blocking point-to-point. Rank 0 sends a tensor to rank 1.
+"""From PyTorch's distributed tutorial: blocking point-to-point. Rank 0 sends a tensor to rank 1.
 
 Run:  ddpkit launch --nproc-per-node 2 examples/05_p2p_blocking.py
 """

@@ -1,4 +1,4 @@
-"""Seed 004: non-blocking point-to-point with isend/irecv and wait().
+"""From PyTorch's distributed tutorial: non-blocking point-to-point with isend/irecv and wait().
 
 Until wait() returns, the sender must not write the tensor and the receiver must not
 read it: the transfer may still be in flight.

@@ -1,4 +1,4 @@
-"""Seed 004: all-reduce inside a group of ranks [0, 1].
+"""From PyTorch's distributed tutorial: all-reduce inside a group of ranks [0, 1].
 
 Every rank must call new_group (even ranks outside it), in the same order; only
 members take part in the group's collectives.

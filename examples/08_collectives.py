@@ -1,4 +1,5 @@
-"""Seed 004: every collective once, each printing what it left on every rank.
+"""Every collective once, each printing what it left on every rank (PyTorch's distributed
+tutorial).
 
 Run:  ddpkit launch --nproc-per-node 3 examples/08_collectives.py
 """

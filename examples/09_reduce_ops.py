@@ -1,4 +1,4 @@
-"""Seed 004: the reduce operators, each on the dtypes it applies to.
+"""From PyTorch's distributed tutorial: the reduce operators, each on the dtypes it applies to.
 
 SUM, PRODUCT, MIN, MAX work on any number; BAND, BOR, BXOR only on integers; AVG is
 NCCL-only (gloo divides nothing), so on gloo we SUM and divide; PREMUL_SUM is NCCL-only.

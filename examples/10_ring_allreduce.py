@@ -1,4 +1,4 @@
-"""Seed 004's ring all-reduce, then the segmented one it leaves as an exercise.
+"""The distributed tutorial's ring all-reduce, then the segmented one it leaves as an exercise.
 
 Run:  ddpkit launch --nproc-per-node 2 examples/10_ring_allreduce.py [--mib 16]
 
@@ -20,7 +20,7 @@ from ddpkit import comm
 
 
 def tutorial_allreduce(send: torch.Tensor, recv: torch.Tensor) -> None:
-    """Seed 004's version: every rank ends with the sum of all ``send`` tensors in ``recv``."""
+    """The tutorial's version: every rank ends with the sum of all ``send`` tensors in ``recv``."""
     rank, size = dist.get_rank(), dist.get_world_size()
     outgoing, incoming = send.clone(), send.clone()
     total = send.clone()
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         factor = 2 * (world.world_size - 1) / world.world_size
         rows = []
         for name, fn in (
-            ("seed 004 ring (whole tensor)", lambda: tutorial_allreduce(data, out)),
+            ("tutorial ring (whole tensor)", lambda: tutorial_allreduce(data, out)),
             ("ddpkit.comm ring (segmented)", lambda: comm.all_reduce(data.clone(), algo="ring")),
             ("torch / gloo all_reduce", lambda: dist.all_reduce(data.clone())),
         ):

@@ -1,4 +1,5 @@
-"""Seed 001's basic demo on ddpkit's own engine: ddpkit.DataParallel instead of torch's DDP.
+"""The DDP tutorial's basic demo on ddpkit's own engine: ddpkit.DataParallel instead of
+torch's DDP.
 
 Same program as the tutorial's demo_basic; the one-line difference is the wrapper.
 DataParallel broadcasts rank 0's parameters in its constructor, reduces gradients in

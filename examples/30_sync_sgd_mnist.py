@@ -1,4 +1,5 @@
-"""Seed 004: Distributed Synchronous SGD - partition the data, average the gradients.
+"""Distributed Synchronous SGD from PyTorch's distributed tutorial: partition the data,
+average the gradients.
 
 The tutorial's program, kept close to its shape: ``partition_dataset()`` gives each rank
 its own shard through ``DataPartitioner`` and divides the global batch of 128 by the

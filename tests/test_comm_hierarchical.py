@@ -198,7 +198,7 @@ def public_with_spies(world, layout: str) -> dict:
     hosts, with the backend fallback and the leaders' backend calls watched."""
     from ddpkit import comm as dcomm
     from ddpkit.comm import auto, registry
-    from ddpkit.comm.shm import allreduce, hierarchical
+    from ddpkit.comm.shm import algorithm, hierarchical
 
     p, r = world.world_size, world.rank
     hosts = LAYOUTS[layout][1]
@@ -259,7 +259,7 @@ def public_with_spies(world, layout: str) -> dict:
         return out
     finally:
         impl._backend, hierarchical._leaders = real_fallback, real_leaders
-        found = allreduce._communicators.pop(group, None)
+        found = algorithm._communicators.pop(group, None)
         if found is not None:
             found.close()
         if before is None:

@@ -191,14 +191,15 @@ def test_backend_comm_is_bit_identical_to_torch_ddp(pools, world_size):
 
 
 def run_fallback_when_the_segment_cannot_be_made(world):
-    from ddpkit.comm.shm import allreduce
+    from ddpkit.comm.shm.communicator import ShmCommunicator
+    from ddpkit.errors import CommError
     from ddpkit.parallel import DataParallel
 
     def refuse(self, tag, size, clean=False):
-        raise allreduce.CommError("no space left (test)")
+        raise CommError("no space left (test)")
 
-    saved = allreduce.ShmCommunicator._shared
-    allreduce.ShmCommunicator._shared = refuse
+    saved = ShmCommunicator._shared
+    ShmCommunicator._shared = refuse
     try:
         auto = DataParallel(_mlp())
         try:
@@ -207,7 +208,7 @@ def run_fallback_when_the_segment_cannot_be_made(world):
         except ConfigError as exc:
             explicit = str(exc)
     finally:
-        allreduce.ShmCommunicator._shared = saved
+        ShmCommunicator._shared = saved
     x, y = _batch(0, 4, torch.float32)
     F.cross_entropy(auto(x), y).backward()
     return auto.comm, explicit

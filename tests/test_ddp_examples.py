@@ -1,4 +1,4 @@
-"""Seed 001's DDP programs (basic on ddpkit's engine, checkpoint, model parallel) under launch."""
+"""The DDP tutorial's programs (basic on ddpkit's engine, checkpoint, model parallel), launched."""
 
 import re
 

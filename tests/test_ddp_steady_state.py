@@ -1,4 +1,4 @@
-"""Issue 11 item 3 for DataParallel: a single-host CPU training step makes no backend call.
+"""DataParallel on one host: a single-host CPU training step makes no backend call.
 
 Under the default ``comm`` ("auto" -> shm on one host) every collective of a steady-state
 step rides the shared segment: the bucket sums, the buffer broadcast before each forward

@@ -431,7 +431,7 @@ def registry_functions(world) -> list:
     x = torch.full((1000,), float(world.rank + 1))
     shm.all_reduce(x, "avg")
     cpu_ok = shm.supports(torch.ones(3))
-    return [x[0].item(), cpu_ok, shm.communicator() is not None]
+    return [x[0].item(), cpu_ok, shm.group_communicator() is not None]
 
 
 def test_module_level_all_reduce_and_supports(pools):

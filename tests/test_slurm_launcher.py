@@ -1,4 +1,4 @@
-"""`ddpkit slurm --launcher torchrun`: seed 003's layout, run under a simulated SLURM.
+"""`ddpkit slurm --launcher torchrun`: the multi-node tutorial's layout, simulated SLURM.
 
 One task per node runs torchrun's agent (`ddpkit launch`); node 0 hosts the c10d
 rendezvous; each node's agent restarts its workers. There is no SLURM here, so `srun` and

@@ -1,4 +1,4 @@
-"""examples/30_sync_sgd_mnist.py: seed 004's synchronous SGD trains on digits."""
+"""examples/30_sync_sgd_mnist.py: the distributed tutorial's synchronous SGD trains on digits."""
 
 import importlib.util
 import os

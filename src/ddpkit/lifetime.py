@@ -26,7 +26,8 @@ alive by accident:
 * :func:`no_python_tls` launches a collective with autograd's stashed Python context taken
   out of thread-local state, so a Work created inside backward captures no Python object.
 
-The version of torch these mechanisms were checked against is :data:`TORCH_CHECKED`.
+The version of torch these mechanisms were checked against is
+:data:`ddpkit.torch_target.TORCH_CHECKED`.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from ddpkit.log import get_logger
 
 log = get_logger(__name__)
 
-TORCH_CHECKED = "2.13"  # torch release whose gloo teardown and TLS stash this was checked on
 EXIT_BARRIER_S = 30.0  # how long ranks wait for each other at exit before tearing down anyway
 _TLS_KEY = "context"  # autograd/graph.py stashes contextvars.copy_context() under this key
 

@@ -63,7 +63,8 @@ def init(
 
     ``init_method``: ``env://`` (default; MASTER_ADDR/MASTER_PORT), ``tcp://host:port``
     or ``file:///shared/path``. ``timeout`` bounds every collective: give stragglers
-    enough room (seed 001), but not so much that a dead peer hangs the job for hours.
+    enough room (PyTorch's DDP tutorial warns of their timeouts), but not so much that a
+    dead peer hangs the job for hours.
     Calling init again returns the same World.
     """
     global _world

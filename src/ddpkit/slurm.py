@@ -10,7 +10,7 @@
   same host ``scontrol show hostnames`` lists first: MASTER_ADDR points at rank 0's own
   store, with no rendezvous round and no node-ordering surprise.
 
-``torchrun`` (seed 003's layout): one task per node running torchrun's agent
+``torchrun`` (PyTorch's multi-node tutorial's layout): one task per node running torchrun's agent
 (``ddpkit launch``), c10d rendezvous on the first node, so a worker that dies is
 restarted by its node's agent (``--max-restarts``) without giving the allocation back,
 and a plain torchrun script (one that reads ``RANK``/``LOCAL_RANK``, not SLURM's

@@ -1,4 +1,5 @@
-"""Plan how processes map onto nodes and devices (seed 000's process-mapping table).
+"""Plan how processes map onto nodes and devices (the process-mapping table of
+PyTorch's torchrun DDP example).
 
 N nodes x G devices per node, each process spanning D devices, gives L = G / D
 processes per node and W = N * L processes in all. The table lists, per process, its

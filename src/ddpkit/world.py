@@ -146,100 +146,93 @@ class World:
         return cls(devices=devices, **fields)
 
 
+@dataclass(frozen=True)
+class _Launcher:
+    """The variables one launcher gives each process its place by."""
+
+    source: str
+    rank: str
+    world_size: str
+    local_rank: str  # missing: 0
+    local_world_size: str  # missing: the world size (one node)
+    node_rank: str | None = None  # missing: 0; None: by slot, rank // local world size
+    nnodes: str | None = None  # missing or None: world size // local world size
+
+
+# In order of precedence: the first whose rank and world size are both set is read.
+_LAUNCHERS = (
+    _Launcher("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+              node_rank="GROUP_RANK", nnodes="GROUP_WORLD_SIZE"),
+    # local world size and node count: see _slurm_sizes
+    _Launcher("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE",
+              node_rank="SLURM_NODEID", nnodes="SLURM_NNODES"),
+    # mpirun places ranks by slot: node k holds ranks [k*L, (k+1)*L)
+    _Launcher("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+              "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    _Launcher("pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+
+
+def _int_or(env: Mapping[str, str], name: str | None, default: int) -> int:
+    return _int(env, name) if name is not None and name in env else default
+
+
+def _nodes_by_slot(world_size: int, local_world_size: int) -> int:
+    return max(world_size // max(local_world_size, 1), 1)
+
+
 def _read_launcher(env: Mapping[str, str]) -> dict:
-    port = env.get("MASTER_PORT")
-    common = {
-        "master_addr": env.get("MASTER_ADDR") or None,
-        "master_port": _int(env, "MASTER_PORT") if port else None,
-    }
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world_size = _int(env, "WORLD_SIZE")
-        local_world_size = (
-            _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world_size
-        )
-        nnodes = _int(env, "GROUP_WORLD_SIZE") if "GROUP_WORLD_SIZE" in env else None
-        if nnodes is None:
-            nnodes = max(world_size // max(local_world_size, 1), 1)
-        return dict(
-            source="torchrun",
-            rank=_int(env, "RANK"),
-            local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            node_rank=_int(env, "GROUP_RANK") if "GROUP_RANK" in env else 0,
-            nnodes=nnodes,
-            **common,
-        )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        world_size = _int(env, "SLURM_NTASKS")
-        nnodes = _int(env, "SLURM_NNODES") if "SLURM_NNODES" in env else 1
-        per_node = env.get("SLURM_NTASKS_PER_NODE", "")
-        if per_node.isdigit():
-            local_world_size = int(per_node)
-        elif world_size % nnodes == 0:
-            local_world_size = world_size // nnodes
-        else:
-            raise ConfigError(
-                f"SLURM_NTASKS={world_size} tasks are spread unevenly over "
-                f"SLURM_NNODES={nnodes} nodes; "
-                "use --ntasks-per-node so every node runs the same count"
-            )
-        if not common["master_addr"] and env.get("SLURM_JOB_NODELIST"):
-            common["master_addr"] = _first_host(env["SLURM_JOB_NODELIST"])
-        return dict(
-            source="slurm",
-            rank=_int(env, "SLURM_PROCID"),
-            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            node_rank=_int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0,
-            nnodes=nnodes,
-            **common,
-        )
-    if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
-        rank = _int(env, "OMPI_COMM_WORLD_RANK")
-        world_size = _int(env, "OMPI_COMM_WORLD_SIZE")
-        local_world_size = (
-            _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
-            if "OMPI_COMM_WORLD_LOCAL_SIZE" in env
-            else world_size
-        )
-        return dict(
-            source="openmpi",
-            rank=rank,
-            local_rank=_int(env, "OMPI_COMM_WORLD_LOCAL_RANK")
-            if "OMPI_COMM_WORLD_LOCAL_RANK" in env
-            else 0,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            # mpirun places ranks by slot: node k holds ranks [k*L, (k+1)*L).
-            node_rank=rank // max(local_world_size, 1),
-            nnodes=max(world_size // max(local_world_size, 1), 1),
-            **common,
-        )
-    if "PMI_RANK" in env and "PMI_SIZE" in env:
-        rank = _int(env, "PMI_RANK")
-        world_size = _int(env, "PMI_SIZE")
-        local_world_size = _int(env, "MPI_LOCALNRANKS") if "MPI_LOCALNRANKS" in env else world_size
-        return dict(
-            source="pmi",
-            rank=rank,
-            local_rank=_int(env, "MPI_LOCALRANKID") if "MPI_LOCALRANKID" in env else 0,
-            world_size=world_size,
-            local_world_size=local_world_size,
-            node_rank=rank // max(local_world_size, 1),
-            nnodes=max(world_size // max(local_world_size, 1), 1),
-            **common,
-        )
+    """Every field of :class:`World` but the devices, from the first launcher whose
+    variables are set (a single process when none is)."""
+    fields = _rendezvous_address(env)
+    launcher = next((x for x in _LAUNCHERS if x.rank in env and x.world_size in env), None)
+    if launcher is None:
+        return dict(source="single", rank=0, local_rank=0, world_size=1, local_world_size=1,
+                    node_rank=0, nnodes=1, **fields)
+    rank, world_size = _int(env, launcher.rank), _int(env, launcher.world_size)
+    if launcher.source == "slurm":
+        local_world_size, nnodes = _slurm_sizes(env, world_size)
+        if not fields["master_addr"] and env.get("SLURM_JOB_NODELIST"):
+            fields["master_addr"] = _first_host(env["SLURM_JOB_NODELIST"])
+    else:
+        local_world_size = _int_or(env, launcher.local_world_size, world_size)
+        nnodes = _int_or(env, launcher.nnodes, _nodes_by_slot(world_size, local_world_size))
+    if launcher.node_rank is None:
+        node_rank = rank // max(local_world_size, 1)
+    else:
+        node_rank = _int_or(env, launcher.node_rank, 0)
     return dict(
-        source="single",
-        rank=0,
-        local_rank=0,
-        world_size=1,
-        local_world_size=1,
-        node_rank=0,
-        nnodes=1,
-        **common,
+        source=launcher.source,
+        rank=rank,
+        local_rank=_int_or(env, launcher.local_rank, 0),
+        world_size=world_size,
+        local_world_size=local_world_size,
+        node_rank=node_rank,
+        nnodes=nnodes,
+        **fields,
+    )
+
+
+def _rendezvous_address(env: Mapping[str, str]) -> dict:
+    return {
+        "master_addr": env.get("MASTER_ADDR") or None,
+        "master_port": _int(env, "MASTER_PORT") if env.get("MASTER_PORT") else None,
+    }
+
+
+def _slurm_sizes(env: Mapping[str, str], world_size: int) -> tuple[int, int]:
+    """(tasks per node, nodes): SLURM gives the count per node only when it is one number
+    (``--ntasks-per-node``); otherwise the tasks must divide evenly over the nodes."""
+    nnodes = _int_or(env, "SLURM_NNODES", 1)
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "")
+    if per_node.isdigit():
+        return int(per_node), nnodes
+    if world_size % nnodes == 0:
+        return world_size // nnodes, nnodes
+    raise ConfigError(
+        f"SLURM_NTASKS={world_size} tasks are spread unevenly over "
+        f"SLURM_NNODES={nnodes} nodes; "
+        "use --ntasks-per-node so every node runs the same count"
     )
 
 
@@ -262,8 +255,8 @@ def assign_devices(
 ) -> tuple[str, ...]:
     """Devices of one process: a contiguous block chosen by *local* rank.
 
-    The seed's model-parallel demo uses ``dev0 = rank*2, dev1 = rank*2+1``; with global
-    rank that breaks on every node but the first, so the block comes from local rank.
+    PyTorch's DDP tutorial's model-parallel demo uses ``dev0 = rank*2, dev1 = rank*2+1``;
+    with global rank that breaks on every node but the first, so the block comes from local rank.
     On CPU every process gets "cpu" (any count is allowed: they share the host).
     """
     if devices_per_process < 1:

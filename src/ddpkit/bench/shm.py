@@ -19,7 +19,7 @@ For each message size every rank times, in the same processes, round-robin:
 Reported per size: median time per call (the slowest rank's), bus bandwidth
 (``bytes * 2(W-1)/W / time``, the all-reduce convention), ratio to gloo, and a
 verdict on the targets (shm: busbw >= 3x gloo at >= 4 MiB, latency <= 1/10 of gloo at
-<= 64 KiB; comm, issue 11: >= 20x gloo at <= 64 KiB and >= 4x at 4-32 MiB, and the
+<= 64 KiB; comm: >= 20x gloo at <= 64 KiB and >= 4x at 4-32 MiB, and the
 in-band check costing <= 10% of the call). Used by ``ddpkit bench shm`` and
 ``benchmarks/shm.py``.
 """
@@ -67,7 +67,7 @@ def human(nbytes: float) -> str:
 def _calls(comm, private: torch.Tensor, shared: torch.Tensor) -> dict:
     from ddpkit import comm as public
     from ddpkit.comm.agreement import CallSignature
-    from ddpkit.comm.shm.allreduce import ShmAlgorithm
+    from ddpkit.comm.shm.algorithm import ShmAlgorithm
 
     # What the public door hands the "shm" algorithm for ``all_reduce(private)`` (its call
     # object carries these fields), and the word the algorithm derives from it per call.

@@ -19,8 +19,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def strip_module_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop the ``module.`` prefix a wrapped model's state_dict carries (seed 001 saves
-    ``ddp_model.state_dict()``), so files from wrapped and plain models are the same."""
+    """Drop the ``module.`` prefix a wrapped model's state_dict carries (the DDP tutorial
+    saves ``ddp_model.state_dict()``), so files from wrapped and plain models are the same."""
     keys = list(state)
     prefix = "module."
     while keys and all(k.startswith(prefix) for k in keys):

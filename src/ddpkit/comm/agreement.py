@@ -17,10 +17,10 @@ the same way; anything else becomes the same :class:`CommError` on every rank
   a registered in-band algorithm may exchange rows itself and judge them with
   :func:`verdict` (through the signature object's ``row()`` and ``verdict(rows)``);
 * otherwise (the backend, the ring, hierarchical across hosts, registered algorithms
-  without ``in_band``) by :func:`agree`: one tiny all-gather before the call (~0.7 ms
-  with gloo on two local ranks), which ``check=False`` skips for callers that guarantee
-  agreement. (The ring carried the row in a header of its own for a while; on gloo that
-  was not reliably cheaper than this all-gather, see docs/collectives.md.)
+  without ``in_band``) by :func:`agree`: one tiny all-gather before the call (one backend
+  round trip), which ``check=False`` skips for callers that guarantee agreement. The
+  ring does not carry the row in a header of its own: on gloo that is not reliably
+  cheaper than this all-gather (docs/collectives.md).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from ddpkit import lifetime
 from ddpkit.comm import groups
 from ddpkit.comm.shm import segment
-from ddpkit.comm.shm.allreduce import host_key
+from ddpkit.comm.shm.communicator import host_key
 from ddpkit.comm.shm.sync import memory_model_ok
 from ddpkit.errors import CommError
 

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 from ddpkit.comm import ops
 
-# torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.6) only have the old names.
+# The flat-tensor collectives have new names in torch_target.TORCH_CHECKED; older releases
+# (>= 2.6) have only the old ones.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

@@ -1,8 +1,8 @@
 """The commonest call, ``all_reduce(t)`` on the default group, remembered instead of re-derived.
 
 A public collective validates its arguments, resolves ``algo="auto"`` and agrees on the
-call before the algorithm runs: about 9 us of Python on a 2-core box, half of what the
-shared-memory engine itself takes for a 64 KiB tensor. For an algorithm that checks each
+call before the algorithm runs: microseconds of Python that are a large share of
+what the shared-memory engine itself takes for a small tensor. For an algorithm that checks each
 call in-band (shm on one host) none of that depends on more than the dtype, the device
 type and the op: once a call with those has gone through the full path, the next ones
 can go straight to the algorithm with the same signature. Nothing is skipped that the

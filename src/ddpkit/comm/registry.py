@@ -32,7 +32,7 @@ import torch
 from ddpkit.comm import auto
 from ddpkit.comm.backend import BackendAlgorithm
 from ddpkit.comm.ring import RingAlgorithm
-from ddpkit.comm.shm.allreduce import ShmAlgorithm
+from ddpkit.comm.shm.algorithm import ShmAlgorithm
 from ddpkit.errors import CommError
 
 _algorithms: dict[str, object] = {}

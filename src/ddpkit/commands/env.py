@@ -7,6 +7,8 @@ import platform
 import shutil
 import sys
 
+from ddpkit.torch_target import TORCH_CHECKED
+
 # Variables that decide how a distributed run starts; their values go in a bug report.
 _ENV_EXACT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
               "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
@@ -48,6 +50,7 @@ def report() -> list[tuple[str, str]]:
     rows = [
         ("ddpkit", package_version()),
         ("torch", torch.__version__),
+        ("torch checked", TORCH_CHECKED),
         ("python", sys.version.split()[0]),
         ("platform", platform.platform()),
         ("cpu cores", f"{os.cpu_count()} (usable: {len(os.sched_getaffinity(0))})"

@@ -63,7 +63,7 @@ def assign_buckets(
             closed.append(open_buckets.pop(key))
             del open_sizes[key]
             limit_index[key] = min(limit_index[key] + 1, len(limits_bytes) - 1)
-    closed.extend(bucket for bucket in open_buckets.values() if bucket)
+    closed.extend(open_buckets.values())  # a bucket opens with its first tensor: none is empty
     return closed
 
 

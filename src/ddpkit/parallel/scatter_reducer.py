@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ddpkit.comm.shm.allreduce import chunk_bounds
+from ddpkit.comm.shm.collectives import chunk_bounds
 from ddpkit.parallel.buckets import Allocator, Bucket, default_allocator
 from ddpkit.parallel.reducer import Reducer, initial_assignment
 
@@ -79,10 +79,7 @@ class ScatterReducer(Reducer):
         for i in self._waiting.pop(bucket.index, []):
             self._move_into_bucket(i, self.params[i])
         if self.world_size > 1:
-            if self.transport is None:
-                work = dist.all_reduce(buffer, group=self.group, async_op=True)
-            else:
-                work = self.transport.reduce_scatter(buffer)
+            work = self.transport.reduce_scatter(buffer)
             if work is not None:
                 work.wait()
         lo, hi = self.chunks[bucket.index]

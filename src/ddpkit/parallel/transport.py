@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from ddpkit.comm import auto
 from ddpkit.comm.collectives import all_reduce as comm_all_reduce
-from ddpkit.comm.shm.allreduce import ShmCommunicator
+from ddpkit.comm.shm.communicator import ShmCommunicator
 from ddpkit.errors import CommError, ConfigError
 from ddpkit.log import get_logger
 from ddpkit.parallel.buckets import default_allocator

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ddpkit.errors import ConfigError
 
@@ -353,8 +353,3 @@ def predict_step(step: StepModel, buckets: Sequence[float],
     step_s = sync_end + overhead_s + step.optimizer_s
     return StepPrediction(step_s=step_s, compute_s=compute_s, comm_s=sum(comm),
                           exposed_comm_s=sync_end - backward_end, buckets=tuple(buckets))
-
-
-def with_bandwidth_scale(ln: Link, factor: float) -> Link:
-    """The same link at ``factor`` x its bandwidth (e.g. achieved / peak)."""
-    return replace(ln, bandwidth_Bps=ln.bandwidth_Bps * factor)

@@ -32,7 +32,8 @@ from ddpkit.plan.model import StepModel, StepPrediction, bucket_sizes, predict_s
 
 # torch DDP's default buckets: 25 MiB, and a first (last-layer) bucket of 1 MiB so that
 # communication starts early in backward - only when bucket_cap_mb is left at None; an
-# explicit cap applies to every bucket (torch.nn.parallel.distributed, torch 2.13).
+# explicit cap applies to every bucket (torch.nn.parallel.distributed as of
+# torch_target.TORCH_CHECKED).
 DEFAULT_CAP_BYTES = 25 << 20
 FIRST_BUCKET_BYTES = 1 << 20
 

@@ -1,7 +1,7 @@
 """Models the trainer builds by name. All return log-probabilities (use ``nll_loss``).
 
-* ``net`` - seed 004's MNIST ``Net`` (two conv layers, dropout, two linear layers); it
-  needs 28x28 images.
+* ``net`` - the distributed tutorial's MNIST ``Net`` (two conv layers, dropout, two
+  linear layers); it needs 28x28 images.
 * ``mlp`` - a small multilayer perceptron; fits any input shape (default for digits).
 * ``toy`` - the DDP tutorial's ``ToyModel`` (Linear-ReLU-Linear, 10 hidden units), with
   its input and output widths taken from the data instead of the fixed 10 -> 5.

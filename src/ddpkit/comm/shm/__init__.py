@@ -1,21 +1,26 @@
 """Shared-memory all-reduce for ranks on one host (see docs/shm.md).
 
-Modules: ``allreduce`` (the communicator and the "shm" algorithm), ``segment`` (POSIX
+Modules: ``communicator`` (set-up, shared allocations, the check of every call),
+``collectives`` (all-reduce and the other collectives on one host), ``hierarchical``
+(the same across hosts), ``signature`` (the word each call is checked by), ``algorithm``
+(the registry's "shm" algorithm and auto's choice of it), ``segment`` (POSIX
 shared-memory files), ``sync`` (barriers over a control block) and ``hook`` (the
 DataParallel / torch DDP comm hook). The names users need are re-exported here.
 """
 
 from ddpkit.comm.shm import segment, sync
-from ddpkit.comm.shm.allreduce import (
+from ddpkit.comm.shm.algorithm import (
+    all_reduce,
+    backend_all_reduce,
+    group_communicator,
+    supports,
+)
+from ddpkit.comm.shm.communicator import (
     DEFAULT_SLOT_MB,
     DEFAULT_TIMEOUT_S,
     ShmCommunicator,
-    all_reduce,
-    backend_all_reduce,
-    communicator,
     host_key,
     run_id,
-    supports,
 )
 from ddpkit.comm.shm.hook import ShmState, shm_hook
 
@@ -26,7 +31,7 @@ __all__ = [
     "ShmState",
     "all_reduce",
     "backend_all_reduce",
-    "communicator",
+    "group_communicator",
     "host_key",
     "run_id",
     "segment",

@@ -1,7 +1,7 @@
 """The shm engine across hosts: shared memory inside each host, the backend between
 one leader per host.
 
-A :class:`~ddpkit.comm.shm.allreduce.ShmCommunicator` whose group spans hosts keeps one
+A :class:`~ddpkit.comm.shm.communicator.ShmCommunicator` whose group spans hosts keeps one
 segment per host (its ranks' collectives inside the host run there, as on one host) and,
 on each host's leader (its first rank in group order), a gloo subgroup of the leaders.
 The functions here are the cross-host shapes of its collectives; they take the

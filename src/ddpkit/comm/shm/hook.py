@@ -17,7 +17,8 @@ training goes on, only slower.
 import torch
 import torch.distributed as dist
 
-from ddpkit.comm.shm import allreduce as shm
+from ddpkit.comm.shm.algorithm import backend_all_reduce
+from ddpkit.comm.shm.communicator import ShmCommunicator
 from ddpkit.errors import CommError
 from ddpkit.log import get_logger
 
@@ -25,7 +26,7 @@ log = get_logger(__name__)
 
 
 class ShmState:
-    """Comm state for :func:`shm_hook`; holds one :class:`~ddpkit.comm.shm.ShmCommunicator`.
+    """Comm state for :func:`shm_hook`; holds one :class:`~ddpkit.comm.ShmCommunicator`.
 
     Keyword options are passed to the communicator (``slot_mb``, ``timeout``,
     ``host_id``). The communicator is created collectively on first use.
@@ -34,14 +35,14 @@ class ShmState:
     def __init__(self, group: dist.ProcessGroup | None = None, **options):
         self.group = group
         self.options = options
-        self._comm: shm.ShmCommunicator | None = None
+        self._comm: ShmCommunicator | None = None
         self._fallback = False
 
     @property
-    def communicator(self) -> shm.ShmCommunicator | None:
+    def communicator(self) -> ShmCommunicator | None:
         if self._comm is None and not self._fallback:
             try:
-                self._comm = shm.ShmCommunicator(self.group, **self.options)
+                self._comm = ShmCommunicator(self.group, **self.options)
             except CommError as exc:
                 self._use_backend(exc)
         return self._comm
@@ -66,7 +67,7 @@ class ShmState:
         comm = self.communicator if tensor.device.type == "cpu" else None
         if comm is not None:
             return comm.all_reduce(tensor, op, divisor=divisor)
-        shm.backend_all_reduce(tensor, "sum" if op == "avg" else op, self.group)
+        backend_all_reduce(tensor, "sum" if op == "avg" else op, self.group)
         if op == "avg" and divisor is None:
             divisor = dist.get_world_size(self.group)
         if divisor is not None and divisor != 1:
