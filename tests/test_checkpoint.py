@@ -215,7 +215,8 @@ def test_truncated_and_missing_payloads_fall_back(tmp_path, warnings_seen):
     info = ckpt.latest()
     assert info.step == 1
     assert any("truncated" in w for w in warnings_seen)
-    assert any("step_000000002.pt: no manifest" in w for w in warnings_seen)
+    assert any("step_000000002.pt: its manifest step_000000002.json is damaged" in w
+               for w in warnings_seen)
     ckpt.path_for(1).unlink()
     assert ckpt.latest() is None
     assert ckpt.load_latest() is None
