@@ -14,7 +14,9 @@ choice open:
   containers and network namespaces and leaves every node waiting as a client), the
   address of the route toward the endpoint is published (``--local-addr``), and gloo
   uses that route's interface (``GLOO_SOCKET_IFNAME``);
-* the first failing rank reported once, in one line, with exit code != 0.
+* the first failing rank reported once, in one line, with exit code != 0;
+* workers that die with the launcher, and no restart after a failure a restart would
+  only repeat (a user error, a full disk, a diverged loss: ``ddpkit.launcher_link``).
 
 ``ddpkit train``/``verify`` come in through :func:`launch` with :class:`LaunchOptions`,
 which become the same command line for the same agent. (Starting the workers without
@@ -30,6 +32,7 @@ draws it as a live status line on a terminal, or as a plain line now and then.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 
 from ddpkit.console import PROGRESS_ENV, Console
 from ddpkit.errors import ONE_LINE_ERRORS_ENV, ConfigError
+from ddpkit.launcher_link import FinalFailure, linked_workers
 from ddpkit.log import get_logger
 from ddpkit.torchrun_args import check_nproc, default_nproc, nnodes_range
 
@@ -225,12 +229,14 @@ def launch_argv(argv: Sequence[str]) -> int:
         # in connectFullMesh; pytorch/pytorch#135712). Without sharing, rank 0 of each
         # attempt hosts a fresh store.
         os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    final = FinalFailure()
     try:
         # The agent's tee threads write to sys.stdout/sys.stderr: through the console,
         # so rank 0's progress line stays below the workers' output.
         with progress_console() as console, \
                 contextlib.redirect_stdout(console.proxy(sys.stdout)), \
-                contextlib.redirect_stderr(console.proxy(sys.stderr)):
+                contextlib.redirect_stderr(console.proxy(sys.stderr)), \
+                linked_workers(_stop_the_agent) as final:
             torchrun.run(args)  # the real agent; it also turns --standalone into a free port
     except RendezvousConnectionError as err:
         cause = err.__cause__ or err.__context__ or err
@@ -242,12 +248,16 @@ def launch_argv(argv: Sequence[str]) -> int:
             "and reachable at that address"
         ) from err
     except SignalException as err:  # one of --signals-to-handle: the agent passed it on
+        if final.code is not None:  # a worker's final failure: it said why, in one line
+            return final.code
         name = signal.Signals(err.sigval).name
         print(f"ddpkit launch: got {name}; the workers were sent {name} and have stopped",
               file=sys.stderr)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
         return report_failure(err.failures, args.role)
+    finally:
+        logging.disable(logging.NOTSET)
     return 0
 
 
@@ -263,6 +273,18 @@ def run_through_script_runner(args, use_env: bool) -> None:
     args.training_script_args = [*program, *args.training_script_args]
     args.training_script = "ddpkit.script_runner"
     args.module = True
+
+
+def _stop_the_agent() -> BaseException:
+    """What a worker's final failure raises in the agent's loop: the exception torchrun's
+    own signal handlers raise, so the agent stops its workers (SIGTERM, then SIGKILL
+    after its grace period) instead of restarting them. Its log lines about stopping
+    them would only repeat what the worker said."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    logging.disable(logging.WARNING)
+    return SignalException("a worker failed in a way a restart would repeat",
+                           sigval=signal.SIGTERM)
 
 
 def choose_network(args, multi_node: bool) -> None:

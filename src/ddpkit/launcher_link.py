@@ -1,0 +1,113 @@
+"""The bond between ddpkit's launcher and the workers it starts.
+
+* **A worker dies with its launcher.** torchrun's agent starts every worker in a session
+  of its own, so a launcher killed outright (SIGKILL from the OOM killer or a scheduler)
+  takes nothing with it: without this, workers whose store outlives the agent (rank 0
+  hosts it under ``--max-restarts``) train on headless and keep writing checkpoints,
+  and a ``--resume`` started then puts two writers in one run directory.
+  :func:`die_with_launcher` asks the kernel to SIGKILL this process when its parent
+  dies (Linux ``PR_SET_PDEATHSIG``), and ends it at once if that already happened.
+* **A worker can tell that its failure is final.** The agent restarts workers after any
+  failure (``--max-restarts``), also after one that a restart only repeats: a user
+  error, a full disk, a diverged loss. :func:`report_final` tells the launcher (a real-
+  time signal whose number says the exit code); :func:`linked_workers` is the
+  launcher's side: it stops the agent instead of restarting and exits with that code.
+
+Both act only between a worker and the ddpkit launcher that started it
+(:data:`LAUNCHER_ENV` names that launcher's pid, and it must be the parent): under
+torchrun, srun or mpirun they do nothing. Torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+LAUNCHER_ENV = "DDPKIT_LAUNCHER_PID"  # set by ddpkit's launcher for the workers it starts
+# Exit codes a restart cannot change, each carried by its own real-time signal:
+# 2 a user error, 65 a diverged run, 74 a full disk.
+FINAL_CODES = (2, 65, 74)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _launcher_pid() -> int | None:
+    """The pid of the ddpkit launcher that started this process, if it is our parent."""
+    value = os.environ.get(LAUNCHER_ENV, "")
+    return int(value) if value.isdigit() and int(value) == os.getppid() else None
+
+
+def die_with_launcher() -> None:
+    """Make the kernel SIGKILL this process when the launcher that started it dies.
+
+    Call it first thing in a worker. The launcher may have died already (between
+    starting us and this call): then the parent is no longer the pid the launcher
+    gave, and we exit at once.
+    """
+    expected = os.environ.get(LAUNCHER_ENV, "")
+    if not expected.isdigit() or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return  # not allowed here (seccomp): keep running, as without a launcher link
+    if os.getppid() != int(expected):
+        os._exit(1)  # orphaned before we could ask: the launcher is gone
+
+
+def _signal_for(code: int) -> int:
+    return signal.SIGRTMIN + FINAL_CODES.index(code)
+
+
+def report_final(code: int) -> None:
+    """Tell the launcher that this worker ends with ``code`` and that restarting the
+    workers would only repeat it. Send it after the worker's message is out: the
+    launcher then stops every worker."""
+    pid = _launcher_pid()
+    if pid is None or code not in FINAL_CODES or not hasattr(signal, "SIGRTMIN"):
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, _signal_for(code))
+
+
+@dataclass
+class FinalFailure:
+    """What a launcher learned from :func:`report_final`: the first worker's exit code."""
+
+    code: int | None = None
+
+
+@contextlib.contextmanager
+def linked_workers(stop: Callable[[], BaseException]) -> Iterator[FinalFailure]:
+    """The launcher's side, around the agent's run: the environment its workers
+    inherit names this process (so they die with it), and the first final failure a
+    worker reports raises
+    ``stop()`` in the main thread (torchrun's agent stops its workers on a
+    ``SignalException``, as it does for SIGTERM) after recording its exit code in the
+    yielded :class:`FinalFailure`."""
+    seen = FinalFailure()
+    if not hasattr(signal, "SIGRTMIN"):
+        yield seen
+        return
+
+    def handler(signum, frame):
+        if seen.code is None:  # the first report stops the agent; later ones are its echo
+            seen.code = FINAL_CODES[signum - signal.SIGRTMIN]
+            raise stop()
+
+    signals = [_signal_for(code) for code in FINAL_CODES]
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    env_before = os.environ.get(LAUNCHER_ENV)
+    os.environ[LAUNCHER_ENV] = str(os.getpid())
+    try:
+        yield seen
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        if env_before is None:
+            os.environ.pop(LAUNCHER_ENV, None)
+        else:
+            os.environ[LAUNCHER_ENV] = env_before
