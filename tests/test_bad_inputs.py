@@ -5,11 +5,17 @@ so these run in-process."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddpkit import cli
 from ddpkit.train.config import Config, resolve
@@ -81,13 +87,28 @@ def test_unreadable_data_dir(capsys, tmp_path, layout, needle):
     (["--checkpoint-every-seconds", "-5"], "--checkpoint-every-seconds must be > 0, got -5.0"),
     (["--keep", "0"], "--keep must be >= 1 (checkpoints kept), got 0"),
     (["--collective-timeout", "0"], "--collective-timeout must be > 0 seconds, got 0.0"),
-    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--lr", "0"], "--lr must be > 0 and finite, got 0.0"),
     (["--hidden", "0"], "--hidden must be positive integers, got [0]"),
+    (["--lr", "inf"], "--lr must be > 0 and finite, got inf"),
+    (["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+    pytest.param(["--precision", "fp16"], "--precision fp16 needs CUDA (its GradScaler) and "
+                 "this machine has no usable CUDA GPU: use --precision bf16",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present")),
 ])
-def test_invalid_config_values(capsys, tmp_path, argv, needle):
+@pytest.mark.parametrize("where", ["out_dir", "run_dir"])
+def test_invalid_config_values(capsys, tmp_path, argv, needle, where):
     out = tmp_path / "runs"
-    _fails_in_one_line(capsys, ["--out-dir", str(out), *argv], needle)
-    assert not out.exists()
+    flag = "--out-dir" if where == "out_dir" else "--run-dir"
+    _fails_in_one_line(capsys, [flag, str(out), *argv], needle)
+    assert not out.exists()  # found before any directory was made
+
+
+def test_config_file_that_is_not_utf8_is_one_line(capsys, tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_bytes("[optim]\nlr = 0.1 # caf\u00e9\n".encode("latin-1"))
+    _fails_in_one_line(capsys, ["--config", str(toml), "--out-dir", str(tmp_path / "runs")],
+                       f"--config {toml}: not UTF-8 text (byte 0xe9 at offset 22)",
+                       "save it as UTF-8")
 
 
 def test_invalid_value_in_config_file(capsys, tmp_path):
@@ -104,11 +125,65 @@ def test_unwritable_output_dir(capsys, tmp_path, where):
     assert (tmp_path / "afile").read_text() == "x"
 
 
-def test_run_dir_that_holds_a_run_is_not_reused(capsys, small_run):
+def test_run_dir_that_holds_a_finished_run_is_not_reused(capsys, small_run):
     before = _snapshot(small_run)
-    _fails_in_one_line(capsys, ["--run-dir", str(small_run)], "already exists and is not empty",
-                       f"--resume {small_run}")
+    _fails_in_one_line(capsys, ["--run-dir", str(small_run)], "holds a finished run",
+                       "choose a new directory")
     assert _snapshot(small_run) == before
+
+
+@pytest.mark.parametrize("what,needle", [
+    ("a_file", "is a file, not a directory; give the path of a new directory"),
+    ("other_files", "holds files that are not a run of ddpkit train"),
+    ("no_checkpoint", "stopped before its first checkpoint, so there is nothing to continue"),
+])
+def test_run_dir_that_cannot_be_continued_is_one_line(capsys, run_copy, tmp_path, what, needle):
+    target = {"a_file": tmp_path / "afile", "other_files": tmp_path / "other",
+              "no_checkpoint": run_copy}[what]
+    if what == "a_file":
+        target.write_text("not a run")
+    elif what == "other_files":
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+    else:
+        shutil.rmtree(run_copy / "checkpoints")
+        (run_copy / "summary.json").unlink()
+    before = _snapshot(tmp_path)
+    err = _fails_in_one_line(capsys, ["--run-dir", str(target)], needle)
+    assert "--resume" not in err  # nothing there to resume
+    assert _snapshot(tmp_path) == before
+
+
+def test_run_dir_of_a_stopped_run_with_other_settings_names_them(capsys, run_copy):
+    (run_copy / "summary.json").unlink()  # as a run stopped before its end leaves it
+    before = _snapshot(run_copy)
+    _fails_in_one_line(capsys, ["--run-dir", str(run_copy), "--hidden", "64"],
+                       "was written with other settings", "model.hidden: [8] -> [64]")
+    assert _snapshot(run_copy) == before
+
+
+def test_a_run_dir_in_use_is_refused_naming_its_holder(capsys, run_copy):
+    from ddpkit.run_lock import RunLock
+
+    with RunLock.acquire(run_copy, command="ddpkit train (the first)"):
+        before = _snapshot(run_copy)
+        _fails_in_one_line(capsys, ["--resume", str(run_copy)],
+                           f"run directory {run_copy} is in use by ddpkit train (the first) "
+                           f"(pid {os.getpid()} on host {socket.gethostname()}, since ",
+                           "wait for it to end, or stop it first")
+        assert _snapshot(run_copy) == before
+    assert not (run_copy / ".ddpkit-lock").exists()  # released and removed
+
+
+def test_a_stale_lock_of_a_dead_holder_is_taken_over(run_copy):
+    from ddpkit.run_lock import LOCK_FILE, RunLock
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (run_copy / LOCK_FILE).write_text(
+        json.dumps({"host": socket.gethostname(), "pid": int(dead), "command": "crashed"}))
+    with RunLock.acquire(run_copy) as lock:  # flock died with its holder: nothing to wait for
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
 
 
 # ---------------------------------------------------------------- resume

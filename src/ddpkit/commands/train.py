@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ddpkit.commands.launch import add_launch_options, options_from_args
 from ddpkit.errors import ConfigError
+from ddpkit.run_lock import RunLock
 from ddpkit.train.config import Config, resolve
 from ddpkit.train.options import add_run_options, add_train_options, config_from_args
 
@@ -63,11 +64,8 @@ def prepare_run_dir(cfg: Config, run_dir: str | None, single_node: bool,
     """
     from ddpkit.train import report
 
-    if run_dir is not None:
+    if run_dir is not None:  # new or empty (resume.run_to_continue decided)
         path = Path(run_dir)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise ConfigError(f"--run-dir {path} already exists and is not empty; continue "
-                              f"that run with --resume {path}, or choose a new directory")
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -122,11 +120,9 @@ def forward_to_workers(signals: tuple[int, ...]) -> Iterator[None]:
 def run(args: argparse.Namespace) -> int:
     # Imports that need torch wait until they are needed: the launching process of a
     # default run never imports it (the workers do).
-    from ddpkit.launch import default_nproc, launch
-    from ddpkit.log import get_logger
+    from ddpkit.launch import default_nproc
     from ddpkit.train import resume
-    from ddpkit.train.names import EXIT_PREEMPTED
-    from ddpkit.train.prelaunch import check_data, check_world_size, quiet_omp_warning
+    from ddpkit.train.prelaunch import check_data, check_launch, check_world_size
     from ddpkit.world import World
 
     # Only who started this process matters here, not its devices (which need torch).
@@ -148,17 +144,42 @@ def run(args: argparse.Namespace) -> int:
         if out_dir is None and args.resume == resume.LATEST:
             out_dir = resolve(vars(args), args.config).train.out_dir
         resume_dir = resume.find_run_dir(args.resume, out_dir or "runs")
+    elif args.run_dir is not None:
+        # The same command line again after a stop (a scheduler's rerun) continues the run.
+        resume_dir = resume.run_to_continue(Path(args.run_dir))
     cfg = config_from_args(args, resume_dir)
     opts = options_from_args(args)
     check_world_size(cfg, opts)
-    if resume_dir is not None:
-        resume.check_resumable(resume_dir, cfg)
+    check_launch(cfg, opts)
     check_data(cfg)
     single_node = opts.nnodes in ("1", "1:1")
     run_dir = resume_dir
     if run_dir is None:
         nproc = opts.nproc_per_node or default_nproc()
         run_dir = prepare_run_dir(cfg, args.run_dir, single_node, nproc)
+    lock = None
+    if run_dir is not None and single_node:
+        # One writer per run directory; the workers of this launcher write under its lock.
+        # (Several nodes cannot all hold it: there rank 0 of the job takes it.)
+        lock = RunLock.acquire(run_dir)
+        opts.extra_env.update(lock.vouch())
+    with lock or contextlib.nullcontext():
+        return _launch(args, cfg, opts, run_dir, resume_dir)
+
+
+def _launch(args: argparse.Namespace, cfg: Config, opts, run_dir: Path | None,
+            resume_dir: Path | None) -> int:
+    from ddpkit.launch import launch
+    from ddpkit.log import get_logger
+    from ddpkit.train import resume
+    from ddpkit.train.names import EXIT_PREEMPTED
+    from ddpkit.train.prelaunch import quiet_omp_warning
+
+    if resume_dir is not None:
+        info = resume.check_resumable(resume_dir, cfg)
+        if args.resume is None:
+            print(f"ddpkit train: --run-dir {run_dir} holds this run, stopped at step "
+                  f"{info.step}: continuing it", file=sys.stderr, flush=True)
     if run_dir is None and opts.max_restarts > 0:
         get_logger(__name__).warning(
             "--max-restarts on several nodes without --run-dir: restarted workers will "
@@ -180,8 +201,9 @@ def run(args: argparse.Namespace) -> int:
     # newest checkpoint tells whether the run was stopped.
     stopped = resume.preempted_since(run_dir, started) if run_dir is not None else None
     if stopped is not None:
+        again = " (or the same command again)" if args.run_dir is not None else ""
         print(f"ddpkit train: stopped by a signal at step {stopped.step}; checkpoint "
-              f"{stopped.path}; continue with: ddpkit train --resume {run_dir}",
+              f"{stopped.path}; continue with: ddpkit train --resume {run_dir}{again}",
               file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
     return code

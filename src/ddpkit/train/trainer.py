@@ -59,6 +59,7 @@ from ddpkit.log import get_logger
 from ddpkit.loop import Run
 from ddpkit.parallel import data_parallel
 from ddpkit.parallel.sharded_state import state_bytes
+from ddpkit.run_lock import RunLock, held_for_us
 from ddpkit.shard_count import EXACT_THREADS
 from ddpkit.train import divergence, progress, recipe, report
 from ddpkit.train.config import Config
@@ -169,6 +170,7 @@ class Trainer:
         self.loop = LoopState(sampler=self.sampler.state_dict())
         self.step_callbacks: list[Callable[[Trainer], None]] = []
         self.write = write
+        self._lock: RunLock | None = None  # rank 0's hold on the run directory
         run_dir = self._agree_on_run(run_dir)
         self.run_dir = Path(run_dir) if write else None
 
@@ -207,6 +209,8 @@ class Trainer:
                     tag = (f"{recipe.short_name(self.cfg.data.name)}-"
                            f"{recipe.short_name(self.cfg.model.name)}-w{self.world.world_size}")
                     proposal[0] = str(report.new_run_dir(self.cfg.train.out_dir, tag))
+                if not held_for_us(proposal[0]):  # no ddpkit launcher holds it for us
+                    self._lock = RunLock.acquire(proposal[0])
             except ConfigError as err:
                 proposal[2] = str(err)
             except OSError as err:
@@ -448,6 +452,9 @@ class Trainer:
             if not is_disk_full(err):
                 raise
             raise self._disk_full(err) from None
+        finally:
+            if self._lock is not None:
+                self._lock.release()
 
     def _disk_full(self, err: BaseException) -> DiskFullError:
         """``err`` as a DiskFullError that says how to go on from here."""
