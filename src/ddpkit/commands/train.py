@@ -52,6 +52,9 @@ def register(sub) -> None:
     add_train_options(p)
     add_run_options(p)
     add_launch_options(p)
+    p.add_argument("--rdzv-timeout", type=float, default=None, metavar="SECONDS",
+                   help="several nodes: how long to wait for the first node to answer and "
+                        "for every node to join (default: 60 s to answer, 600 s to join)")
     p.set_defaults(func=run)
 
 
@@ -149,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
         resume_dir = resume.run_to_continue(Path(args.run_dir))
     cfg = config_from_args(args, resume_dir)
     opts = options_from_args(args)
+    if args.rdzv_timeout is not None:
+        if not args.rdzv_timeout > 0:
+            raise ConfigError(f"--rdzv-timeout must be > 0 seconds, got {args.rdzv_timeout}")
+        opts.rdzv_timeout = args.rdzv_timeout
     check_world_size(cfg, opts)
     check_launch(cfg, opts)
     check_data(cfg)
