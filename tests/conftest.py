@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNIT, MULTIPROCESS, E2E = "unit", "multiprocess", "e2e"
 LAYERS = {
     "test_bad_inputs.py": UNIT,
+    "test_checkpoint_damage.py": UNIT,
     "test_cli.py": UNIT,
     "test_layers.py": UNIT,
     "test_metric_log.py": UNIT,
@@ -175,7 +176,12 @@ SLOW = {
         "test_resume_at_another_world_size_keeps_data_position_and_optimizer"},
     "test_train_fault.py": {"test_killed_worker_is_restarted_and_the_run_ends_bit_identical",
                             "test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_matches",
-                            "test_a_rank_that_stops_arriving_is_named_within_the_timeout"},
+                            "test_a_rank_that_stops_arriving_is_named_within_the_timeout",
+                            "test_killed_launcher_takes_its_workers_along_and_the_same_command_"
+                            "continues",
+                            "test_full_disk_at_a_checkpoint_is_one_line_no_restart_and_no_debris",
+                            "test_a_stopped_rank_is_named_and_every_process_ends_within_seconds",
+                            "test_a_failure_a_restart_would_repeat_is_not_restarted"},
     "test_train_recipe.py": {"test_user_factories_train_the_users_module_on_the_users_data"},
     "test_train_shard.py": {"test_sharded_run_equals_unsharded_with_half_the_optimizer_state",
                             "test_shard_with_the_torch_engine_is_one_line_exit_2"},

@@ -1,4 +1,6 @@
-"""`ddpkit train` end to end under faults: a SIGKILLed worker, a preemption signal, a hang.
+"""`ddpkit train` end to end under faults: a SIGKILLed worker, a preemption signal, a hang,
+and (marked ``chaos``) the launcher SIGKILLed, a full disk, a stopped rank, a failure a
+restart would repeat.
 
 Every run is the same small job (synthetic data, 300 samples, global batch 32: 10 steps
 per epoch, the last one padded; 2 epochs; 2 processes; a checkpoint every 4 steps).
@@ -16,12 +18,27 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from ddpkit.fault import EXIT_PREEMPTED
+from chaos_harness import (
+    FRAME_DUMP,
+    MARKER,
+    can_mount,
+    fill,
+    is_loopback,
+    listening_sockets,
+    marked,
+    seconds_until_gone,
+    small_filesystem,
+    worker_pid,
+)
+from conftest import skip_unless_required
+from ddpkit.durable import EXIT_DISK_FULL
+from ddpkit.fault import EXIT_HANG, EXIT_PREEMPTED
 from ddpkit.train.report import read_jsonl
 from sample_audit import assert_every_sample_once
 
@@ -148,3 +165,101 @@ def test_a_rank_that_stops_arriving_is_named_within_the_timeout(tmp_path):
     assert found, text[-3000:]
     assert float(found.group(1)) <= timeout + margin
     assert "Traceback" not in text
+
+
+# ---------------------------------------------------------------------- chaos (subset)
+# The chaos run (benchmarks/chaos.py) tries every fault many times; these are one of each
+# kind that must never regress: the launcher SIGKILLed, a full disk, a stopped rank, a
+# failure that a restart would only repeat.
+def _wait_for(path_glob: Path | str, proc: subprocess.Popen, root: Path, limit: float = 180):
+    deadline = time.monotonic() + limit
+    while not list(root.glob(str(path_glob))):
+        assert proc.poll() is None, f"ddpkit train ended early:\n{_finish(proc)[1][-3000:]}"
+        assert time.monotonic() < deadline, f"{path_glob} did not appear"
+        time.sleep(0.1)
+
+
+@pytest.mark.chaos
+def test_killed_launcher_takes_its_workers_along_and_the_same_command_continues(
+        reference, tmp_path):
+    run, marker = tmp_path / "run", uuid.uuid4().hex
+    argv = (*JOB, "--run-dir", str(run), "--max-restarts", "2")
+    proc = _start(*argv, env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:120", **{MARKER: marker}))
+    _wait_for("checkpoints/step_000000004.json", proc, run)
+    while worker_pid(marker, 1) is None:  # both workers up and parked after step 5
+        time.sleep(0.1)
+    # Exposure: a single-node run listens on loopback only (stores and gloo alike).
+    sockets = listening_sockets(marked(marker))
+    assert sockets and all(is_loopback(s) for s in sockets), sockets
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+
+    proc.kill()  # SIGKILL: no handler runs in the launcher
+    proc.communicate()
+    gone = seconds_until_gone(marker, limit=10)
+    assert gone is not None and gone < 5, "workers outlived their launcher"
+    time.sleep(1)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # no headless writer
+
+    code, text = _train(*argv[len(JOB):])  # the same command line (a scheduler's rerun)
+    assert code == 0, text[-3000:]
+    assert f"--run-dir {run} holds this run, stopped at step 4: continuing it" in text
+    _assert_same_params(run, reference)
+    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
+                             world=2, samples=SAMPLES)
+    _assert_metrics_continue(run, reference)
+
+
+@pytest.mark.chaos
+def test_full_disk_at_a_checkpoint_is_one_line_no_restart_and_no_debris(tmp_path):
+    if not can_mount():
+        skip_unless_required("needs root to mount a small tmpfs")
+    job = [a for a in JOB if a != "--log-sample-ids"]  # per-step logs would fill it first
+    with small_filesystem(16) as disk:
+        run = disk / "run"
+        proc = _start(*job, "--run-dir", str(run), "--max-restarts", "2",
+                      env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:5"))
+        _wait_for("checkpoints/step_000000004.json", proc, run)
+        fill(disk)  # the next write is step 8's checkpoint
+        code, text = _finish(proc)
+        assert code == EXIT_DISK_FULL, text[-3000:]
+        errors = [line for line in text.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1, text[-3000:]
+        assert re.search(rf"ddpkit train: error: no space left on device to write "
+                         rf"{run}/checkpoints/step_000000008\.pt: it needs [\d,]+ bytes, "
+                         rf"[\d,]+ bytes free there; free some space there, then continue "
+                         rf"the run: ddpkit train --resume {run}$", errors[0]), errors[0]
+        assert "Traceback" not in text and not FRAME_DUMP.search(text)
+        assert text.count("run directory:") == 1  # --max-restarts 2 did not restart into it
+        debris = [p.name for p in run.rglob("*") if ".tmp" in p.name]
+        assert debris == [] and not (run / "summary.json").exists()
+        assert [p.name for p in (run / "checkpoints").glob("*.pt")] == ["step_000000004.pt"]
+
+
+@pytest.mark.chaos
+def test_a_stopped_rank_is_named_and_every_process_ends_within_seconds(tmp_path):
+    marker = uuid.uuid4().hex
+    proc = _start(*JOB, "--out-dir", str(tmp_path), "--collective-timeout", "4",
+                  env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:3", **{MARKER: marker}))
+    _wait_for("*/checkpoints/step_000000004.json", proc, tmp_path)
+    stopped = worker_pid(marker, 1)
+    assert stopped is not None
+    os.kill(stopped, signal.SIGSTOP)
+    start = time.monotonic()
+    code, text = _finish(proc, timeout=120)
+    # 3 s parked + the 4 s timeout, then the agent's stop (no 30 s grace for the stopped one)
+    assert time.monotonic() - start < 20, text[-3000:]
+    assert code == EXIT_HANG, text[-3000:]
+    assert re.search(r"ddpkit train: error: rank 0 waited [\d.]+ s at step 5 .* for rank 1 ",
+                     text), text[-3000:]
+    assert "Traceback" not in text and not FRAME_DUMP.search(text)
+    gone = seconds_until_gone(marker, limit=10)
+    assert gone is not None and gone < 2
+
+
+@pytest.mark.chaos
+def test_a_failure_a_restart_would_repeat_is_not_restarted(tmp_path):
+    code, text = _train("--out-dir", str(tmp_path), "--max-restarts", "2",
+                        "--model", "user_recipe:not_a_model",
+                        PYTHONPATH=str(Path(__file__).parent))
+    assert code == 2, text[-3000:]
+    assert text.count("returned str, not a torch.nn.Module") == 1, text[-3000:]  # one attempt

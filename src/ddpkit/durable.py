@@ -38,9 +38,12 @@ class DiskFullError(DdpkitError):
     def __init__(self, path: str | os.PathLike, needed: int | None, free: int | None,
                  advice: str = "free some space there and run the same command again"):
         self.path, self.needed, self.free, self.advice = Path(path), needed, free, advice
-        need = f"it needs {_bytes(needed)}" if needed is not None else "its size is unknown"
-        have = f", {_bytes(free)} free there" if free is not None else ""
-        super().__init__(f"no space left on device to write {self.path}: {need}{have}; {advice}")
+        have = f"{_bytes(free)} free there" if free is not None else "free space unknown"
+        if needed is not None:
+            what = f"to write {self.path}: it needs {_bytes(needed)}, {have}"
+        else:  # a log append or a probe: the size that would have sufficed is not known
+            what = f"writing in {self.path} ({have})"
+        super().__init__(f"no space left on device {what}; {advice}")
 
     def __reduce__(self):  # picklable with its fields (the message is rebuilt from them)
         return (DiskFullError, (self.path, self.needed, self.free, self.advice))

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from ddpkit import rendezvous
 from ddpkit.console import PROGRESS_ENV, Console
 from ddpkit.errors import ONE_LINE_ERRORS_ENV, ConfigError
-from ddpkit.launcher_link import FinalFailure, linked_workers
+from ddpkit.launcher_link import FinalFailure, continue_stopped_children, linked_workers
 from ddpkit.log import get_logger
 from ddpkit.torchrun_args import check_nproc, default_nproc, nnodes_range
 
@@ -261,7 +261,7 @@ def launch_argv(argv: Sequence[str],
         with progress_console() as console, \
                 contextlib.redirect_stdout(console.proxy(sys.stdout)), \
                 contextlib.redirect_stderr(console.proxy(sys.stderr)), \
-                linked_workers(_stop_the_agent) as final:
+                linked_workers(_stop_the_agent) as final, continue_stopped_children():
             torchrun.run(args)  # the real agent; it also turns --standalone into a free port
     except (RendezvousConnectionError, DistNetworkError, DistStoreError) as err:
         cause = err.__cause__ or err.__context__ or err

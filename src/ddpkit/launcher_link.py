@@ -12,6 +12,11 @@
   error, a full disk, a diverged loss. :func:`report_final` tells the launcher (a real-
   time signal whose number says the exit code); :func:`linked_workers` is the
   launcher's side: it stops the agent instead of restarting and exits with that code.
+* **A stopped worker hears its stop signal.** A worker stopped with SIGSTOP (or by a
+  debugger, or a terminal's job control) keeps the SIGTERM the agent sends it pending,
+  and the agent waits out its whole grace period (30 s) before SIGKILL.
+  :func:`continue_stopped_children` continues such a worker, so that it acts on the
+  SIGTERM at once, as its peers do.
 
 Both act only between a worker and the ddpkit launcher that started it
 (:data:`LAUNCHER_ENV` names that launcher's pid, and it must be the parent): under
@@ -25,8 +30,10 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 LAUNCHER_ENV = "DDPKIT_LAUNCHER_PID"  # set by ddpkit's launcher for the workers it starts
 # Exit codes a restart cannot change, each carried by its own real-time signal:
@@ -111,3 +118,56 @@ def linked_workers(stop: Callable[[], BaseException]) -> Iterator[FinalFailure]:
             os.environ.pop(LAUNCHER_ENV, None)
         else:
             os.environ[LAUNCHER_ENV] = env_before
+
+
+def child_pids(parent: int | None = None) -> list[int]:
+    """The direct children of ``parent`` (default: this process), from /proc (Linux)."""
+    parent = os.getpid() if parent is None else parent
+    found = []
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            stat = (entry / "stat").read_text()
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            fields = stat[stat.rfind(")") + 2:].split()
+            if len(fields) > 1 and int(fields[1]) == parent:
+                found.append(int(entry.name))
+    return found
+
+
+def stopped_with_pending_term(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP, job control, not traced) with a SIGTERM
+    waiting for it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if not fields.get("State", "").strip().startswith("T"):
+        return False
+    term = 1 << (signal.SIGTERM - 1)
+    return any(int(fields.get(key, "0").strip() or "0", 16) & term
+               for key in ("SigPnd", "ShdPnd"))
+
+
+@contextlib.contextmanager
+def continue_stopped_children(interval: float = 0.5) -> Iterator[None]:
+    """While the block runs, continue (SIGCONT) any child of this process that is
+    stopped with a SIGTERM pending: the agent's stop then takes effect at once."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(interval):
+            for pid in child_pids():
+                if stopped_with_pending_term(pid):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+
+    thread = threading.Thread(target=watch, name="ddpkit-continue-stopped", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

@@ -202,7 +202,7 @@ class Checkpointer:
             with contextlib.suppress(OSError):
                 probe.unlink()
             if is_disk_full(err):
-                raise DiskFullError(probe, 2, free_bytes(self.dir)) from None
+                raise DiskFullError(self.dir, None, free_bytes(self.dir)) from None
             raise CheckpointError(
                 f"checkpoint directory {self.dir} is not writable ({err.strerror or err}); "
                 "fix its permissions or choose another directory"

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ddpkit.commands.launch import add_launch_options, options_from_args
 from ddpkit.errors import ConfigError
+from ddpkit.launcher_link import child_pids
 from ddpkit.run_lock import RunLock
 from ddpkit.train.config import Config, resolve
 from ddpkit.train.options import add_run_options, add_train_options, config_from_args
@@ -85,30 +86,13 @@ def prepare_run_dir(cfg: Config, run_dir: str | None, single_node: bool,
     return report.new_run_dir(cfg.train.out_dir, tag)
 
 
-def _child_pids() -> list[int]:
-    """This process's children (the workers torchrun's agent started), from /proc."""
-    me, found = os.getpid(), []
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == me:
-            found.append(int(entry.name))
-    return found
-
-
 @contextlib.contextmanager
 def forward_to_workers(signals: tuple[int, ...]) -> Iterator[None]:
     """Pass ``signals`` on to the workers. torchrun's agent forwards SIGTERM itself
     (and then stops); SIGUSR1, SLURM's early warning, would otherwise end the agent
     and orphan its workers."""
     def forward(signum, frame):
-        for pid in _child_pids():
+        for pid in child_pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
