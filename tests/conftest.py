@@ -91,6 +91,8 @@ LAYERS = {
 # file -> test functions (every parametrization) or single parametrizations ("name[id]").
 # Four ranks on two cores: every test on the 4-rank pool is slow, and so is starting it.
 SLOW = {
+    "test_bad_inputs.py": {
+        "test_a_run_whose_loss_turns_non_finite_stops_and_keeps_the_last_good_checkpoint"},
     "test_checkpoint_crash.py": {"test_killed_writer_leaves_previous_checkpoint_chosen"},
     "test_clean_exit.py": {"test_no_process_group_thread_is_left_at_exit",
                            "test_twenty_runs_exit_clean"},
@@ -140,7 +142,8 @@ SLOW = {
     "test_launch.py": {"test_spmd_example_under_launch", "test_failing_rank_reported_once",
                        "test_missing_script_is_one_line", "test_invalid_nproc",
                        "test_rendezvous_port_in_use_is_one_line",
-                       "test_a_killed_rank_is_named_not_the_survivor_the_agent_stopped"},
+                       "test_a_killed_rank_is_named_not_the_survivor_the_agent_stopped",
+                       "test_unreachable_rendezvous_is_one_line_without_frame_dumps"},
     "test_console.py": {"test_train_users_factories_with_progress_lines_when_not_a_terminal",
                              "test_train_progress_is_one_live_line_on_a_terminal"},
     "test_launch_torchrun.py": {"test_same_command_line_same_ranks_as_torchrun",

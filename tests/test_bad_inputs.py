@@ -256,3 +256,43 @@ def test_resume_and_run_dir_together(capsys, small_run, tmp_path):
     _fails_in_one_line(capsys, ["--resume", str(small_run), "--run-dir", str(tmp_path / "d")],
                        "--resume and --run-dir: give one")
     assert not (tmp_path / "d").exists()
+
+
+# ---------------------------------------------------------------- at run time
+def test_a_run_whose_loss_turns_non_finite_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    from ddpkit.checkpoint import Checkpointer
+    from ddpkit.train.divergence import DivergedError
+    from ddpkit.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    cfg = resolve({**RUN, "epochs": 2, "checkpoint_every_steps": 2, "lr": 1e10})
+    with pytest.raises(DivergedError, match=(
+            r"^the training loss on rank 0 is nan at step 4 \(epoch 1\): the run diverged and "
+            r"was stopped before saving; the last good checkpoint, .*/step_000000002\.pt, is "
+            r"kept; start again with a lower --lr \(it is 1e\+10\) or with --clip-grad-norm$")):
+        Trainer(cfg, World(), run_dir=run, wrap=lambda module, engine, device: module).fit()
+    ckpt = Checkpointer(run / "checkpoints", create=False)
+    assert [info.step for info in ckpt.checkpoints()] == [2]  # nothing saved from NaN
+    weights = ckpt.load(ckpt.latest().path)["model"]
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert not (run / "summary.json").exists() and not (run / "model.pt").exists()
+
+
+@pytest.mark.parametrize("error,code", [
+    ("diverged", 65), ("disk_full", 74), ("user", 2)])
+def test_worker_exit_codes_of_failures_a_restart_would_repeat(capfd, monkeypatch, error, code):
+    from ddpkit.durable import DiskFullError
+    from ddpkit.errors import ConfigError
+    from ddpkit.train.divergence import DivergedError
+    from ddpkit.train.entry import run_entry
+
+    raised = {"diverged": DivergedError("the training loss on rank 0 is nan"),
+              "disk_full": DiskFullError("runs/R/model.pt", 5000, 0),
+              "user": ConfigError("--model x:y returned str")}[error]
+    monkeypatch.setenv("LOCAL_RANK", "0")
+
+    def body():
+        raise raised
+
+    assert run_entry("train", body) == code
+    assert capfd.readouterr().err == f"ddpkit train: error: {raised}\n"

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -149,3 +150,53 @@ def test_a_killed_rank_is_named_not_the_survivor_the_agent_stopped(tmp_path):
     summary = proc.stderr.strip().splitlines()[-1]
     assert summary.startswith("ddpkit launch: rank 1 was killed by SIGKILL"), summary
     assert summary.endswith("ranks [0] failed after it"), summary
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _no_workers_cli(*args):
+    """``ddpkit ARGS`` that must fail before any worker starts (no exit-abort retry)."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([*DDPKIT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("how", ["train_c10d", "launch_static", "train_nobody_joins"])
+def test_unreachable_rendezvous_is_one_line_without_frame_dumps(how, tmp_path):
+    port = _free_port()  # nothing listens there: the "first node" never answers
+    train = ["train", "--data", "synthetic", "--synthetic-size", "64", "--epochs", "1",
+             "--run-dir", str(tmp_path / "run")]
+    argv, expected = {
+        "train_c10d": ([*train, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+                        f"127.0.0.1:{port}", "--rdzv-timeout", "3"],
+                       rf"ddpkit train: error: the rendezvous at 127\.0\.0\.1:{port} did not "
+                       r"answer within 3 s \(Connection refused\): is the first node started, "
+                       r"with this address and port\? \(--rdzv-timeout SECONDS sets the wait\)$"),
+        "launch_static": (["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                           "127.0.0.1", "--master-port", str(port), "--rdzv-conf", "timeout=3",
+                           "examples/01_spmd_main.py"],
+                          rf"ddpkit launch: error: the rendezvous at 127\.0\.0\.1:{port} did not "
+                          r"answer within 3 s \(Connection refused\): .* \(--rdzv-conf "
+                          r"timeout=SECONDS sets the wait\)$"),
+        "train_nobody_joins": ([*train, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                "--rdzv-timeout", "3"],
+                               rf"ddpkit train: error: the rendezvous at 127\.0\.0\.1:{port} did "
+                               r"not gather 2 nodes in time; start every node with the same "
+                               r"--rdzv-endpoint and --rdzv-id \(--rdzv-timeout SECONDS sets the "
+                               r"wait\)$"),
+    }[how]
+    start = time.monotonic()
+    proc = _no_workers_cli(*argv)
+    assert time.monotonic() - start < 60
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and re.search(expected, errors[0]), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "frame #" not in proc.stderr

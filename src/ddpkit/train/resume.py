@@ -68,8 +68,8 @@ def run_to_continue(run_dir: Path) -> Path | None:
     if not run_dir.is_dir():
         raise ConfigError(f"--run-dir {run_dir} is a file, not a directory; give the path "
                           "of a new directory (or of a run to continue)")
-    if not any(entry.name != LOCK_FILE for entry in run_dir.iterdir()):
-        return None
+    if not any(p.is_file() and p.name != LOCK_FILE for p in run_dir.rglob("*")):
+        return None  # nothing written yet (a start that failed early leaves empty folders)
     if not (run_dir / report.CONFIG_FILE).is_file():
         raise ConfigError(f"--run-dir {run_dir} already exists and holds files that are not a "
                           "run of ddpkit train; choose a new directory")
