@@ -3,8 +3,8 @@
     flock /tmp/ddpkit-heavy.lock .venv/bin/python benchmarks/chaos.py [--runs 2] \\
         [--only worker-sigkill,disk-full,...] [--seed 0] [--json chaos.json]
 
-Every scenario starts ``ddpkit train`` (2 processes, synthetic data, 76 optimizer steps
-over 2 epochs, a checkpoint every 5 steps) as a subprocess, inflicts its fault from
+Every scenario starts ``ddpkit train`` (2 processes, synthetic data, 750 optimizer steps
+over 2 epochs, a checkpoint every 25 steps) as a subprocess, inflicts its fault from
 outside, as an operator, a scheduler or the kernel would, and where the run can go on,
 reruns the same command line. Each one is checked for:
 
@@ -45,7 +45,8 @@ import torch  # noqa: E402
 
 import chaos_harness as ch  # noqa: E402
 
-SAMPLES, BATCH, EPOCHS, EVERY = 1200, 32, 2, 5
+# Long enough (about 10 s of steps here) for a fault at a random moment to land mid-run.
+SAMPLES, BATCH, EPOCHS, EVERY = 12000, 32, 2, 25
 STEPS_PER_EPOCH = -(-SAMPLES // BATCH)  # the last batch of an epoch is padded
 STEPS = EPOCHS * STEPS_PER_EPOCH
 JOB = ["--nproc-per-node", "2", "--data", "synthetic", "--synthetic-size", str(SAMPLES),
@@ -78,6 +79,7 @@ class Chaos:
     # ---------------------------------------------------------------- running
     def start(self, run: Path, *argv: str, marker: str, job: list[str] = JOB,
               **env: str) -> subprocess.Popen:
+        """``ddpkit train JOB --run-dir RUN ARGV`` with the run's marker in its environment."""
         full = {k: v for k, v in os.environ.items() if not k.startswith("DDPKIT_TEST_")}
         full.update(OMP_NUM_THREADS="1", **{ch.MARKER: marker}, **env)
         return subprocess.Popen([sys.executable, "-m", "ddpkit.cli", "train", *job,
@@ -123,13 +125,19 @@ class Chaos:
 
     def park(self, run: Path, step: int, seconds: float, *argv: str,
              job: list[str] = JOB) -> tuple[subprocess.Popen, str, ch.Watch]:
-        """Start a run whose ranks all pause after ``step``; return once they have."""
+        """Start a run whose ranks all pause ``seconds`` after ``step``; return once they
+        are there: its sample log (--log-sample-ids) reached ``step``, or else the last
+        checkpoint before it is on disk (the steps from there are a blink)."""
         marker = uuid.uuid4().hex
         proc = self.start(run, *argv, marker=marker, job=job,
                           DDPKIT_TEST_SLEEP_AT_STEP=f"{step}:*:{seconds}")
         watch = ch.Watch(marker).__enter__()
-        self.wait(lambda: steps_logged(run) >= step or checkpoint_steps(run)[-1:] == [step],
-                  proc)
+        if "--log-sample-ids" in (*argv, *job):
+            self.wait(lambda: steps_logged(run) >= step, proc)
+        else:
+            self.wait(lambda: (checkpoint_steps(run) or [0])[-1] >= step // EVERY * EVERY,
+                      proc)
+            time.sleep(0.3)
         return proc, marker, watch
 
     @staticmethod
@@ -286,9 +294,10 @@ class Chaos:
         """Fill a small filesystem so that ``target`` is the write that fails; the run must
         end with one line and exit 74, no restart, no debris; after freeing space the
         same command continues."""
-        job = [a for a in JOB if a != "--keep"] + ["--keep", "100"]
+        job = JOB  # keeps every checkpoint: the sizes below hold, no rotation frees space
         argv = ["--max-restarts", "2"]
-        extra = ["--no-checkpoints"] if target == "final weights (--no-checkpoints)" else []
+        extra = (["--no-checkpoints", "--log-sample-ids"]  # parked after its last log line
+                 if target == "final weights (--no-checkpoints)" else [])
         ckpt_step = 2 * EVERY
         park = {"checkpoint payload": 2 * EVERY - 3, "checkpoint manifest": 2 * EVERY - 3,
                 "metrics record": STEPS_PER_EPOCH, "final weights": STEPS,
@@ -323,7 +332,7 @@ class Chaos:
             if len(errors) != 1 or not re.search(
                     rf"no space left on device (to write {path}: it needs [\d,]+ bytes|"
                     rf"writing in {path} \()", errors[0]):
-                result.fail(f"not one line naming {expected}: {errors}")
+                result.fail(f"not one line naming {expected}: {errors} {text[-2000:]}")
             if text.count("run directory:") > 1:
                 result.fail("restarted into the same failure")
             debris = [str(p.relative_to(run)) for p in run.rglob("*") if ".tmp" in p.name]
@@ -331,7 +340,8 @@ class Chaos:
                 result.fail(f"debris left: {debris}")
             if target != "summary" and (run / "summary.json").exists():
                 result.fail("summary.json written before the weights")
-            done_at_failure = park or 0
+            failed_at = {"checkpoint payload": ckpt_step, "checkpoint manifest": ckpt_step,
+                         "metrics record": STEPS_PER_EPOCH}.get(target, STEPS if park else 0)
             kept = checkpoint_steps(run)
             filler.unlink()
             code, text = self.run(result, run, *argv, *extra, job=job)
@@ -342,7 +352,7 @@ class Chaos:
                 result.outcome, result.data_lost = "one line; rerun refused (no checkpoints)", STEPS
                 return
             self.expect(result, code, 0, text)
-            result.data_lost = done_at_failure - (kept[-1] if kept else 0)
+            result.data_lost = failed_at - (kept[-1] if kept else 0)
             result.outcome = "one line, exit 74; rerun continued"
             self.same_as_reference(result, run)
 
@@ -360,7 +370,7 @@ class Chaos:
         if not re.search(r"ddpkit train: error: rank \d waited [\d.]+ s at step \d+ .* for "
                          r"rank \d", text):
             result.fail("the hang line naming the stopped rank is missing")
-        result.data_lost = EVERY + 2 - EVERY
+        result.data_lost = 2  # resumed from the checkpoint 2 steps before the stop
         self.same_as_reference(result, run)
 
     def rank_raises(self, result: Result) -> None:
@@ -379,7 +389,7 @@ class Chaos:
         """A second `ddpkit train --resume` while the first still runs is refused."""
         run = self.work / f"two-{uuid.uuid4().hex[:6]}"
         proc, marker, watch = self.park(run, EVERY + 1, 8)
-        code, text = self.run(result, run.parent / "unused", "--resume", str(run))
+        code, text = self.run(result, run)  # the same command line, while the first runs
         self.expect(result, code, 2, text)
         if f"run directory {run} is in use by ddpkit train (pid {proc.pid} on host" not in text:
             result.fail(f"the refusal does not name the holder: {text[-500:]}")

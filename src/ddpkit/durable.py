@@ -157,14 +157,19 @@ def append_line(path: str | os.PathLike, line: str) -> None:
     readers never meet half a line."""
     path = Path(path)
     raw = (line if line.endswith("\n") else line + "\n").encode()
-    with open(path, "ab") as f:
-        start = f.tell()
+    # Unbuffered: a write that fails leaves nothing queued for close() to retry.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        start = os.fstat(fd).st_size
         try:
-            f.write(raw)
-            f.flush()
+            view = memoryview(raw)
+            while view:
+                view = view[os.write(fd, view):]
         except OSError as err:
             if not is_disk_full(err):
                 raise
             with contextlib.suppress(OSError):
-                f.truncate(start)
+                os.ftruncate(fd, start)
             raise DiskFullError(path, len(raw), free_bytes(path.parent)) from None
+    finally:
+        os.close(fd)

@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,13 +89,15 @@ class FinalFailure:
 
 
 @contextlib.contextmanager
-def linked_workers(stop: Callable[[], BaseException]) -> Iterator[FinalFailure]:
+def linked_workers(stop: Callable[[], BaseException],
+                   final_grace: float = 10.0) -> Iterator[FinalFailure]:
     """The launcher's side, around the agent's run: the environment its workers
     inherit names this process (so they die with it), and the first final failure a
     worker reports raises
     ``stop()`` in the main thread (torchrun's agent stops its workers on a
     ``SignalException``, as it does for SIGTERM) after recording its exit code in the
-    yielded :class:`FinalFailure`."""
+    yielded :class:`FinalFailure`, and after waiting up to ``final_grace`` seconds for
+    the workers to end by themselves."""
     seen = FinalFailure()
     if not hasattr(signal, "SIGRTMIN"):
         yield seen
@@ -103,6 +106,11 @@ def linked_workers(stop: Callable[[], BaseException]) -> Iterator[FinalFailure]:
     def handler(signum, frame):
         if seen.code is None:  # the first report stops the agent; later ones are its echo
             seen.code = FINAL_CODES[signum - signal.SIGRTMIN]
+            # Every rank ends on the same agreed error: let them end on their own (the
+            # one that prints may be a moment behind the one that reported), so that
+            # the agent's stop signal cuts no message short. The agent's loop is this
+            # thread, so it restarts nothing meanwhile; its output threads go on.
+            _wait_for_children(final_grace)
             raise stop()
 
     signals = [_signal_for(code) for code in FINAL_CODES]
@@ -134,6 +142,22 @@ def child_pids(parent: int | None = None) -> list[int]:
             if len(fields) > 1 and int(fields[1]) == parent:
                 found.append(int(entry.name))
     return found
+
+
+def _wait_for_children(limit: float) -> None:
+    """Until every child of this process has exited (a zombie waits for the agent to
+    reap it), or ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and any(_state(pid) not in ("Z", "X", "")
+                                              for pid in child_pids()):
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat[stat.rfind(")") + 2]
+    return ""
 
 
 def stopped_with_pending_term(pid: int) -> bool:

@@ -104,6 +104,16 @@ def forward_to_workers(signals: tuple[int, ...]) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _finished_since(run_dir: Path, started: float) -> bool:
+    """Whether the run wrote its summary (the last word of a finished run) since ``started``."""
+    from ddpkit.train.report import SUMMARY_FILE
+
+    try:
+        return (run_dir / SUMMARY_FILE).stat().st_mtime >= started
+    except OSError:
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     # Imports that need torch wait until they are needed: the launching process of a
     # default run never imports it (the workers do).
@@ -188,6 +198,11 @@ def _launch(args: argparse.Namespace, cfg: Config, opts, run_dir: Path | None,
             code = launch(WORKER_MODULE, argv, opts)
     except SignalException as err:  # the agent forwarded it, the workers have stopped
         code = 128 + int(err.sigval)
+    if code > 128 and run_dir is not None and _finished_since(run_dir, started):
+        # The signal came while the agent was winding down a run that had just ended.
+        print(f"ddpkit train: the run had finished when the signal came; results in "
+              f"{run_dir}", file=sys.stderr, flush=True)
+        return 0
     # Under the agent a stopped worker exits 0 (or the agent reports the signal), so the
     # newest checkpoint tells whether the run was stopped.
     stopped = resume.preempted_since(run_dir, started) if run_dir is not None else None

@@ -6,9 +6,10 @@ once per node rather than once per rank.
 Exit codes: 0 done (or stopped by a signal under an agent), 2 a user error,
 :data:`~ddpkit.durable.EXIT_DISK_FULL` (74) a full disk,
 :data:`~ddpkit.train.divergence.EXIT_DIVERGED` (65) a loss that stopped being finite,
-:data:`~ddpkit.fault.EXIT_HANG` (124) a collective that timed out. The first three are
-final: a restart would repeat them, so ddpkit's launcher is told not to restart
-(:func:`ddpkit.launcher_link.report_final`)."""
+:data:`~ddpkit.fault.EXIT_HANG` (124) a collective that timed out. A full disk, a
+diverged loss, a configuration or checkpoint error are final: a restart would repeat
+them, so ddpkit's launcher is told not to restart (:func:`ddpkit.launcher_link.report_final`);
+the rest (a peer that died, a hang, a bug) are what ``--max-restarts`` is for."""
 
 from __future__ import annotations
 
@@ -22,11 +23,16 @@ from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddpkit.checkpoint import CheckpointError
 from ddpkit.durable import EXIT_DISK_FULL, DiskFullError
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.fault import EXIT_HANG, HangError
 from ddpkit.launcher_link import report_final
 from ddpkit.train.divergence import EXIT_DIVERGED, DivergedError
+
+# What a restart would only repeat. Not a CommError: a collective that lost a peer that
+# died (the shared-memory engine says so) is what a restart is for.
+FINAL = (ConfigError, CheckpointError, DiskFullError, DivergedError)
 
 
 def run_entry(command: str, body: Callable[[], int]) -> int:
@@ -51,7 +57,8 @@ def run_entry(command: str, body: Callable[[], int]) -> int:
                     EXIT_DIVERGED if isinstance(err, DivergedError) else 2)
             if os.environ.get("LOCAL_RANK", "0") == "0":
                 print(f"ddpkit {command}: error: {err}", file=sys.stderr, flush=True)
-            report_final(code)
+            if isinstance(err, FINAL):
+                report_final(code)
             return code
 
     return guarded()
