@@ -183,7 +183,7 @@ def _socket_inodes(pid: int) -> set[str]:
     return inodes
 
 
-def _hex_address(text: str) -> str:
+def hex_address(text: str) -> str:
     addr, port = text.split(":")
     raw = bytes.fromhex(addr)
     if len(raw) == 4:
@@ -204,7 +204,7 @@ def listening_sockets(pids: list[int]) -> set[str]:
             for line in Path(table).read_text().splitlines()[1:]:
                 cols = line.split()
                 if len(cols) > 9 and cols[3] == "0A" and cols[9] in inodes:  # 0A: LISTEN
-                    found.add(_hex_address(cols[1]))
+                    found.add(hex_address(cols[1]))
     return found
 
 
