@@ -160,15 +160,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _no_workers_cli(*args):
-    """``ddpkit ARGS`` that must fail before any worker starts (no exit-abort retry)."""
-    import subprocess
-
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([*DDPKIT, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
-
-
 @pytest.mark.parametrize("how", ["train_c10d", "launch_static", "train_nobody_joins"])
 def test_unreachable_rendezvous_is_one_line_without_frame_dumps(how, tmp_path):
     port = _free_port()  # nothing listens there: the "first node" never answers
@@ -194,7 +185,7 @@ def test_unreachable_rendezvous_is_one_line_without_frame_dumps(how, tmp_path):
                                r"wait\)$"),
     }[how]
     start = time.monotonic()
-    proc = _no_workers_cli(*argv)
+    proc = run_cli(*argv)
     assert time.monotonic() - start < 60
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
