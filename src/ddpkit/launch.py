@@ -236,24 +236,7 @@ def launch_argv(argv: Sequence[str],
     run_through_script_runner(args, torchrun.get_use_env(args))
     # A DdpkitError escaping the script: one line per rank and exit 2, not a traceback.
     os.environ.setdefault(ONE_LINE_ERRORS_ENV, "1")
-    max_nodes = nnodes_range(args.nnodes)[1]
-    if not args.standalone:
-        choose_network(args, multi_node=max_nodes > 1)
-    # Stores on loopback (one node) or the address given (several), the workers' store
-    # fresh for every restart; then a first node that does not answer is one line.
-    rendezvous.use_bound_rendezvous(args, max_nodes)
-    if max_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
-        # gloo listens on the address of this host's name, which may be an external one.
-        loopback = route_to("127.0.0.1")[1]
-        if loopback:
-            os.environ["GLOO_SOCKET_IFNAME"] = loopback
-    wait_for_first_node(args, timeout_flag)
-    if args.max_restarts > 0 and args.rdzv_backend not in (rendezvous.C10D, rendezvous.STATIC):
-        # torchrun's agent keeps one store server for every attempt, and a restarted rank
-        # can read its dead predecessor's gloo/NCCL address from it ("Connection refused"
-        # in connectFullMesh; pytorch/pytorch#135712). Without sharing, rank 0 of each
-        # attempt hosts a fresh store. (ddpkit's own handlers make one per attempt.)
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    prepare_network(args, timeout_flag)
     final = FinalFailure()
     try:
         # The agent's tee threads write to sys.stdout/sys.stderr: through the console,
@@ -306,6 +289,30 @@ def run_through_script_runner(args, use_env: bool) -> None:
     args.training_script_args = [*program, *args.training_script_args]
     args.training_script = "ddpkit.script_runner"
     args.module = True
+
+
+def prepare_network(args, timeout_flag: str) -> None:
+    """Every choice about the network, before the agent starts: the c10d store host and
+    the address and interface of each node (:func:`choose_network`), stores that listen
+    on loopback on one node and on the given address across nodes (a fresh workers'
+    store for every restart), gloo on loopback on one node, then a first node that does
+    not answer as one line."""
+    max_nodes = nnodes_range(args.nnodes)[1]
+    if not args.standalone:
+        choose_network(args, multi_node=max_nodes > 1)
+    rendezvous.use_bound_rendezvous(args, max_nodes)
+    if max_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo listens on the address of this host's name, which may be an external one.
+        loopback = route_to("127.0.0.1")[1]
+        if loopback:
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    wait_for_first_node(args, timeout_flag)
+    if args.max_restarts > 0 and args.rdzv_backend not in (rendezvous.C10D, rendezvous.STATIC):
+        # torchrun's agent keeps one store server for every attempt, and a restarted rank
+        # can read its dead predecessor's gloo/NCCL address from it ("Connection refused"
+        # in connectFullMesh; pytorch/pytorch#135712). Without sharing, rank 0 of each
+        # attempt hosts a fresh store. (ddpkit's own handlers make one per attempt.)
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def _first_line(err: BaseException) -> str:
