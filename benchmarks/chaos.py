@@ -121,7 +121,9 @@ class Chaos:
         if ch.FRAME_DUMP.search(text):
             result.fail("C++ frame dump in the output")
         if text.count("Traceback") > tracebacks:
-            result.fail(f"{text.count('Traceback')} tracebacks in the output")
+            first = text.index("Traceback")
+            result.fail(f"{text.count('Traceback')} tracebacks in the output, the first: "
+                        f"{text[first:first + 3000]}")
 
     def park(self, run: Path, step: int, seconds: float, *argv: str,
              job: list[str] = JOB) -> tuple[subprocess.Popen, str, ch.Watch]:
