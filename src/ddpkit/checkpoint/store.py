@@ -480,7 +480,7 @@ class Checkpointer:
         if not isinstance(state, dict):
             raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict")
         info = self._read_manifest(path)
-        if info is not None and info.shards:
+        if isinstance(info, CheckpointInfo) and info.shards:
             # Not loaded here: each is read once, by whoever needs its part.
             state[SHARD_FILES] = [str(path.parent / name) for name, _size, _sha in info.shards]
         return state
