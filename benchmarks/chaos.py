@@ -298,11 +298,15 @@ class Chaos:
         same command continues."""
         job = JOB  # keeps every checkpoint: the sizes below hold, no rotation frees space
         argv = ["--max-restarts", "2"]
-        extra = (["--no-checkpoints", "--log-sample-ids"]  # parked after its last log line
-                 if target == "final weights (--no-checkpoints)" else [])
+        # The writes after the last step are targeted once its sample-log line is out (a
+        # checkpoint there would only be written after the pause, too late to fill the disk).
+        after_last = target in ("final weights", "summary", "final weights (--no-checkpoints)")
+        extra = ((["--no-checkpoints"] if target == "final weights (--no-checkpoints)" else [])
+                 + (["--log-sample-ids"] if after_last else []))
         ckpt_step = 2 * EVERY
+        # The epoch's record is written before its checkpoint: park one step before its end.
         park = {"checkpoint payload": 2 * EVERY - 3, "checkpoint manifest": 2 * EVERY - 3,
-                "metrics record": STEPS_PER_EPOCH, "final weights": STEPS,
+                "metrics record": STEPS_PER_EPOCH - 1, "final weights": STEPS,
                 "final weights (--no-checkpoints)": STEPS, "summary": STEPS}.get(target)
         # Room for the writes before the target (sizes from the uninterrupted run), in pages.
         payload = ch.pages(self.sizes[f"checkpoints/step_{ckpt_step:09d}.pt"])
@@ -347,7 +351,7 @@ class Chaos:
             kept = checkpoint_steps(run)
             filler.unlink()
             code, text = self.run(result, run, *argv, *extra, job=job)
-            if extra:  # without checkpoints there is nothing to continue from
+            if "--no-checkpoints" in extra:  # nothing to continue from
                 self.expect(result, code, 2, text)
                 if "nothing to continue" not in text:
                     result.fail("the rerun does not say why it cannot continue")
