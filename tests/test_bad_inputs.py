@@ -175,6 +175,26 @@ def test_a_run_dir_in_use_is_refused_naming_its_holder(capsys, run_copy):
     assert not (run_copy / ".ddpkit-lock").exists()  # released and removed
 
 
+def test_a_run_that_finishes_while_the_same_command_starts_is_not_continued(
+        capsys, run_copy, monkeypatch):
+    # The first command still held the lock when the second looked at the directory, and
+    # finished before the second took it.
+    from ddpkit.commands import train
+    from ddpkit.run_lock import RunLock
+
+    summary = (run_copy / "summary.json").read_text()
+    (run_copy / "summary.json").unlink()  # still going
+    real_acquire = RunLock.acquire
+
+    def first_finishes_meanwhile(run_dir, *args, **kwargs):
+        (run_copy / "summary.json").write_text(summary)
+        return real_acquire(run_dir, *args, **kwargs)
+
+    monkeypatch.setattr(train.RunLock, "acquire", first_finishes_meanwhile)
+    _fails_in_one_line(capsys, ["--run-dir", str(run_copy)], "holds a finished run")
+    assert not (run_copy / ".ddpkit-lock").exists()  # released
+
+
 def test_a_stale_lock_of_a_dead_holder_is_taken_over(run_copy):
     from ddpkit.run_lock import LOCK_FILE, RunLock
 

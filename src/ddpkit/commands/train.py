@@ -163,9 +163,25 @@ def run(args: argparse.Namespace) -> int:
         # One writer per run directory; the workers of this launcher write under its lock.
         # (Several nodes cannot all hold it: there rank 0 of the job takes it.)
         lock = RunLock.acquire(run_dir)
+        if args.run_dir is not None:
+            try:
+                _same_as_before_the_lock(Path(args.run_dir), resume_dir)
+            except BaseException:
+                lock.release()
+                raise
         opts.extra_env.update(lock.vouch())
     with lock or contextlib.nullcontext():
         return _launch(args, cfg, opts, run_dir, resume_dir)
+
+
+def _same_as_before_the_lock(run_dir: Path, decided: Path | None) -> None:
+    """``--run-dir R`` read again under R's lock: a run that was still going when R was
+    first looked at may have finished (or stopped) since, and is not written twice."""
+    from ddpkit.train import resume
+
+    if resume.run_to_continue(run_dir) != decided:  # a finished run raises its own line
+        raise ConfigError(f"--run-dir {run_dir} was written by another ddpkit train while "
+                          "this one started; run the same command again")
 
 
 def _launch(args: argparse.Namespace, cfg: Config, opts, run_dir: Path | None,
