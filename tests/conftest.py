@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UNIT, MULTIPROCESS, E2E = "unit", "multiprocess", "e2e"
 LAYERS = {
     "test_bad_inputs.py": UNIT,
+    "test_checkpoint_damage.py": UNIT,
     "test_cli.py": UNIT,
     "test_layers.py": UNIT,
     "test_metric_log.py": UNIT,
@@ -90,6 +91,8 @@ LAYERS = {
 # file -> test functions (every parametrization) or single parametrizations ("name[id]").
 # Four ranks on two cores: every test on the 4-rank pool is slow, and so is starting it.
 SLOW = {
+    "test_bad_inputs.py": {
+        "test_a_run_whose_loss_turns_non_finite_stops_and_keeps_the_last_good_checkpoint"},
     "test_checkpoint_crash.py": {"test_killed_writer_leaves_previous_checkpoint_chosen"},
     "test_clean_exit.py": {"test_no_process_group_thread_is_left_at_exit",
                            "test_twenty_runs_exit_clean"},
@@ -139,7 +142,8 @@ SLOW = {
     "test_launch.py": {"test_spmd_example_under_launch", "test_failing_rank_reported_once",
                        "test_missing_script_is_one_line", "test_invalid_nproc",
                        "test_rendezvous_port_in_use_is_one_line",
-                       "test_a_killed_rank_is_named_not_the_survivor_the_agent_stopped"},
+                       "test_a_killed_rank_is_named_not_the_survivor_the_agent_stopped",
+                       "test_unreachable_rendezvous_is_one_line_without_frame_dumps"},
     "test_console.py": {"test_train_users_factories_with_progress_lines_when_not_a_terminal",
                              "test_train_progress_is_one_live_line_on_a_terminal"},
     "test_launch_torchrun.py": {"test_same_command_line_same_ranks_as_torchrun",
@@ -159,6 +163,7 @@ SLOW = {
                          "test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_resumes",
                          "test_a_rank_that_stops_arriving_is_named"},
     "test_runtime.py": {"test_init_methods", "test_spawn_reraises_child_exception_with_rank",
+                        "test_groups_built_again_in_the_same_ranks_meet_on_fresh_keys",
                         "test_port_in_use_is_one_line", "test_world_size_mismatch_is_one_line"},
     "test_shm.py": {"test_hierarchical_across_fake_hosts_matches_torch",
                     "test_segment_of_a_killed_rank_is_removed_at_restart",
@@ -174,8 +179,11 @@ SLOW = {
     "test_train_fault_api.py": {
         "test_resume_at_another_world_size_keeps_data_position_and_optimizer"},
     "test_train_fault.py": {"test_killed_worker_is_restarted_and_the_run_ends_bit_identical",
-                            "test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_matches",
-                            "test_a_rank_that_stops_arriving_is_named_within_the_timeout"},
+                            "test_killed_launcher_and_sigterm_each_end_and_the_same_command_"
+                            "continues",
+                            "test_full_disk_at_a_checkpoint_is_one_line_no_restart_and_no_debris",
+                            "test_a_stopped_rank_is_named_within_the_timeout_and_every_process_"
+                            "ends"},
     "test_train_recipe.py": {"test_user_factories_train_the_users_module_on_the_users_data"},
     "test_train_shard.py": {"test_sharded_run_equals_unsharded_with_half_the_optimizer_state",
                             "test_shard_with_the_torch_engine_is_one_line_exit_2"},

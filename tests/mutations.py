@@ -71,12 +71,10 @@ MUTATIONS = (
         ("tests/test_data_partition.py",),
     ),
     Mutation(
-        "manifest-written-in-place",
-        "ddpkit/checkpoint/store.py",
-        "    def _write_small(self, path: Path, data: bytes) -> None:\n"
-        "        tmp = self.dir / f\".{path.name}{_TMP_MARK}{os.getpid()}\"",
-        "    def _write_small(self, path: Path, data: bytes) -> None:\n"
-        "        tmp = path",
+        "checkpoint-files-written-in-place",
+        "ddpkit/durable.py",
+        "    path = Path(path)\n    tmp = temporary_path(path)\n",
+        "    path = Path(path)\n    tmp = path\n",
         ("tests/test_checkpoint.py", "tests/test_checkpoint_crash.py", "-m", "not slow"),
     ),
     Mutation(

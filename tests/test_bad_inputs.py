@@ -5,11 +5,17 @@ so these run in-process."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddpkit import cli
 from ddpkit.train.config import Config, resolve
@@ -81,13 +87,28 @@ def test_unreadable_data_dir(capsys, tmp_path, layout, needle):
     (["--checkpoint-every-seconds", "-5"], "--checkpoint-every-seconds must be > 0, got -5.0"),
     (["--keep", "0"], "--keep must be >= 1 (checkpoints kept), got 0"),
     (["--collective-timeout", "0"], "--collective-timeout must be > 0 seconds, got 0.0"),
-    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--lr", "0"], "--lr must be > 0 and finite, got 0.0"),
     (["--hidden", "0"], "--hidden must be positive integers, got [0]"),
+    (["--lr", "inf"], "--lr must be > 0 and finite, got inf"),
+    (["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+    pytest.param(["--precision", "fp16"], "--precision fp16 needs CUDA (its GradScaler) and "
+                 "this machine has no usable CUDA GPU: use --precision bf16",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present")),
 ])
-def test_invalid_config_values(capsys, tmp_path, argv, needle):
+@pytest.mark.parametrize("where", ["out_dir", "run_dir"])
+def test_invalid_config_values(capsys, tmp_path, argv, needle, where):
     out = tmp_path / "runs"
-    _fails_in_one_line(capsys, ["--out-dir", str(out), *argv], needle)
-    assert not out.exists()
+    flag = "--out-dir" if where == "out_dir" else "--run-dir"
+    _fails_in_one_line(capsys, [flag, str(out), *argv], needle)
+    assert not out.exists()  # found before any directory was made
+
+
+def test_config_file_that_is_not_utf8_is_one_line(capsys, tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_bytes("[optim]\nlr = 0.1 # caf\u00e9\n".encode("latin-1"))
+    _fails_in_one_line(capsys, ["--config", str(toml), "--out-dir", str(tmp_path / "runs")],
+                       f"--config {toml}: not UTF-8 text (byte 0xe9 at offset 22)",
+                       "save it as UTF-8")
 
 
 def test_invalid_value_in_config_file(capsys, tmp_path):
@@ -104,11 +125,85 @@ def test_unwritable_output_dir(capsys, tmp_path, where):
     assert (tmp_path / "afile").read_text() == "x"
 
 
-def test_run_dir_that_holds_a_run_is_not_reused(capsys, small_run):
+def test_run_dir_that_holds_a_finished_run_is_not_reused(capsys, small_run):
     before = _snapshot(small_run)
-    _fails_in_one_line(capsys, ["--run-dir", str(small_run)], "already exists and is not empty",
-                       f"--resume {small_run}")
+    _fails_in_one_line(capsys, ["--run-dir", str(small_run)], "holds a finished run",
+                       "choose a new directory")
     assert _snapshot(small_run) == before
+
+
+@pytest.mark.parametrize("what,needle", [
+    ("a_file", "is a file, not a directory; give the path of a new directory"),
+    ("other_files", "holds files that are not a run of ddpkit train"),
+    ("no_checkpoint", "stopped before its first checkpoint, so there is nothing to continue"),
+])
+def test_run_dir_that_cannot_be_continued_is_one_line(capsys, run_copy, tmp_path, what, needle):
+    target = {"a_file": tmp_path / "afile", "other_files": tmp_path / "other",
+              "no_checkpoint": run_copy}[what]
+    if what == "a_file":
+        target.write_text("not a run")
+    elif what == "other_files":
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+    else:
+        shutil.rmtree(run_copy / "checkpoints")
+        (run_copy / "summary.json").unlink()
+    before = _snapshot(tmp_path)
+    err = _fails_in_one_line(capsys, ["--run-dir", str(target)], needle)
+    assert "--resume" not in err  # nothing there to resume
+    assert _snapshot(tmp_path) == before
+
+
+def test_run_dir_of_a_stopped_run_with_other_settings_names_them(capsys, run_copy):
+    (run_copy / "summary.json").unlink()  # as a run stopped before its end leaves it
+    before = _snapshot(run_copy)
+    _fails_in_one_line(capsys, ["--run-dir", str(run_copy), "--hidden", "64"],
+                       "was written with other settings", "model.hidden: [8] -> [64]")
+    assert _snapshot(run_copy) == before
+
+
+def test_a_run_dir_in_use_is_refused_naming_its_holder(capsys, run_copy):
+    from ddpkit.run_lock import RunLock
+
+    with RunLock.acquire(run_copy, command="ddpkit train (the first)"):
+        before = _snapshot(run_copy)
+        _fails_in_one_line(capsys, ["--resume", str(run_copy)],
+                           f"run directory {run_copy} is in use by ddpkit train (the first) "
+                           f"(pid {os.getpid()} on host {socket.gethostname()}, since ",
+                           "wait for it to end, or stop it first")
+        assert _snapshot(run_copy) == before
+    assert not (run_copy / ".ddpkit-lock").exists()  # released and removed
+
+
+def test_a_run_that_finishes_while_the_same_command_starts_is_not_continued(
+        capsys, run_copy, monkeypatch):
+    # The first command still held the lock when the second looked at the directory, and
+    # finished before the second took it.
+    from ddpkit.commands import train
+    from ddpkit.run_lock import RunLock
+
+    summary = (run_copy / "summary.json").read_text()
+    (run_copy / "summary.json").unlink()  # still going
+    real_acquire = RunLock.acquire
+
+    def first_finishes_meanwhile(run_dir, *args, **kwargs):
+        (run_copy / "summary.json").write_text(summary)
+        return real_acquire(run_dir, *args, **kwargs)
+
+    monkeypatch.setattr(train.RunLock, "acquire", first_finishes_meanwhile)
+    _fails_in_one_line(capsys, ["--run-dir", str(run_copy)], "holds a finished run")
+    assert not (run_copy / ".ddpkit-lock").exists()  # released
+
+
+def test_a_stale_lock_of_a_dead_holder_is_taken_over(run_copy):
+    from ddpkit.run_lock import LOCK_FILE, RunLock
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (run_copy / LOCK_FILE).write_text(
+        json.dumps({"host": socket.gethostname(), "pid": int(dead), "command": "crashed"}))
+    with RunLock.acquire(run_copy) as lock:  # flock died with its holder: nothing to wait for
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
 
 
 # ---------------------------------------------------------------- resume
@@ -181,3 +276,43 @@ def test_resume_and_run_dir_together(capsys, small_run, tmp_path):
     _fails_in_one_line(capsys, ["--resume", str(small_run), "--run-dir", str(tmp_path / "d")],
                        "--resume and --run-dir: give one")
     assert not (tmp_path / "d").exists()
+
+
+# ---------------------------------------------------------------- at run time
+def test_a_run_whose_loss_turns_non_finite_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    from ddpkit.checkpoint import Checkpointer
+    from ddpkit.train.divergence import DivergedError
+    from ddpkit.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    cfg = resolve({**RUN, "epochs": 2, "checkpoint_every_steps": 2, "lr": 1e10})
+    with pytest.raises(DivergedError, match=(
+            r"^the training loss on rank 0 is nan at step 4 \(epoch 1\): the run diverged and "
+            r"was stopped before saving; the last good checkpoint, .*/step_000000002\.pt, is "
+            r"kept; start again with a lower --lr \(it is 1e\+10\) or with --clip-grad-norm$")):
+        Trainer(cfg, World(), run_dir=run, wrap=lambda module, engine, device: module).fit()
+    ckpt = Checkpointer(run / "checkpoints", create=False)
+    assert [info.step for info in ckpt.checkpoints()] == [2]  # nothing saved from NaN
+    weights = ckpt.load(ckpt.latest().path)["model"]
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert not (run / "summary.json").exists() and not (run / "model.pt").exists()
+
+
+@pytest.mark.parametrize("error,code", [
+    ("diverged", 65), ("disk_full", 74), ("user", 2)])
+def test_worker_exit_codes_of_failures_a_restart_would_repeat(capfd, monkeypatch, error, code):
+    from ddpkit.durable import DiskFullError
+    from ddpkit.errors import ConfigError
+    from ddpkit.train.divergence import DivergedError
+    from ddpkit.train.entry import run_entry
+
+    raised = {"diverged": DivergedError("the training loss on rank 0 is nan"),
+              "disk_full": DiskFullError("runs/R/model.pt", 5000, 0),
+              "user": ConfigError("--model x:y returned str")}[error]
+    monkeypatch.setenv("LOCAL_RANK", "0")
+
+    def body():
+        raise raised
+
+    assert run_entry("train", body) == code
+    assert capfd.readouterr().err == f"ddpkit train: error: {raised}\n"

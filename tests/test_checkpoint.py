@@ -215,7 +215,8 @@ def test_truncated_and_missing_payloads_fall_back(tmp_path, warnings_seen):
     info = ckpt.latest()
     assert info.step == 1
     assert any("truncated" in w for w in warnings_seen)
-    assert any("step_000000002.pt: no manifest" in w for w in warnings_seen)
+    assert any("step_000000002.pt: its manifest step_000000002.json is damaged" in w
+               for w in warnings_seen)
     ckpt.path_for(1).unlink()
     assert ckpt.latest() is None
     assert ckpt.load_latest() is None
@@ -257,7 +258,7 @@ def test_every_file_appears_whole_by_rename_never_written_in_place(tmp_path, mon
     """Atomic write: the payload and the manifest (the commit point) are written under
     hidden temporary names and renamed into place, so a reader or a crash never sees a
     half-written file under a final name."""
-    from ddpkit.checkpoint import store
+    from ddpkit import durable
 
     written, renamed = [], []
     real_open, real_replace = open, os.replace
@@ -271,8 +272,9 @@ def test_every_file_appears_whole_by_rename_never_written_in_place(tmp_path, mon
         renamed.append((os.path.basename(src), os.path.basename(dst)))
         return real_replace(src, dst)
 
-    monkeypatch.setattr(store, "open", recording_open, raising=False)
-    monkeypatch.setattr(store.os, "replace", recording_replace)
+    # Every file of a checkpoint is written through ddpkit.durable.
+    monkeypatch.setattr(durable, "open", recording_open, raising=False)
+    monkeypatch.setattr(durable.os, "replace", recording_replace)
     Checkpointer(tmp_path, keep=2).save(small_state(1.0), step=7)
     finals = sorted(os.listdir(tmp_path))
     assert finals == ["step_000000007.json", "step_000000007.pt"]

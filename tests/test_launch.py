@@ -2,8 +2,10 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -149,3 +151,61 @@ def test_a_killed_rank_is_named_not_the_survivor_the_agent_stopped(tmp_path):
     summary = proc.stderr.strip().splitlines()[-1]
     assert summary.startswith("ddpkit launch: rank 1 was killed by SIGKILL"), summary
     assert summary.endswith("ranks [0] failed after it"), summary
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("how", ["train_c10d", "launch_static", "train_nobody_joins"])
+def test_unreachable_rendezvous_is_one_line_without_frame_dumps(how, tmp_path, capfd,
+                                                               monkeypatch):
+    port = _free_port()  # nothing listens there: the "first node" never answers
+    train = ["train", "--data", "synthetic", "--synthetic-size", "64", "--epochs", "1",
+             "--run-dir", str(tmp_path / "run")]
+    argv, expected = {
+        "train_c10d": ([*train, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+                        f"127.0.0.1:{port}", "--rdzv-timeout", "1"],
+                       rf"ddpkit train: error: the rendezvous at 127\.0\.0\.1:{port} did not "
+                       r"answer within 1 s \(Connection refused\): is the first node started, "
+                       r"with this address and port\? \(--rdzv-timeout SECONDS sets the wait\)$"),
+        "launch_static": (["launch", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                           "127.0.0.1", "--master-port", str(port), "--rdzv-conf", "timeout=1",
+                           "examples/01_spmd_main.py"],
+                          rf"ddpkit launch: error: the rendezvous at 127\.0\.0\.1:{port} did not "
+                          r"answer within 1 s \(Connection refused\): .* \(--rdzv-conf "
+                          r"timeout=SECONDS sets the wait\)$"),
+        "train_nobody_joins": ([*train, "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                "--rdzv-timeout", "1"],
+                               rf"ddpkit train: error: the rendezvous at 127\.0\.0\.1:{port} did "
+                               r"not gather 2 nodes in time; start every node with the same "
+                               r"--rdzv-endpoint and --rdzv-id \(--rdzv-timeout SECONDS sets the "
+                               r"wait\)$"),
+    }[how]
+    # In this process: the failure comes before any worker starts, in the launcher (and
+    # C++ writes its frame dumps to the process's stderr, which capfd reads).
+    from ddpkit import cli
+
+    monkeypatch.chdir(ROOT)
+    environ = dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in signal.valid_signals()
+                if signal.getsignal(sig) is not None}
+    start = time.monotonic()
+    try:
+        code = cli.main(argv)
+    finally:  # what a launcher may set up for itself, left as it was for the next tests
+        os.environ.clear()
+        os.environ.update(environ)
+        for sig, handler in handlers.items():
+            if signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+    stderr = capfd.readouterr().err
+    assert time.monotonic() - start < 30
+    assert code == 2, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and re.search(expected, errors[0]), stderr[-3000:]
+    assert "Traceback" not in stderr and "frame #" not in stderr

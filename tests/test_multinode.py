@@ -17,12 +17,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from chaos_harness import hex_address
 from conftest import ROOT, skip_unless_required
 from ddpkit.launch import LaunchOptions, route_to, torchrun_argv
 
@@ -106,6 +108,31 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+class ListeningIn:
+    """The TCP addresses listened on inside a network namespace, sampled while the block
+    runs (/proc/net/tcp and tcp6 are per namespace)."""
+
+    def __init__(self, netns: str):
+        self.netns, self.seen = netns, set()
+        self._done = threading.Event()
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.3):
+            out = _ip("netns", "exec", self.netns, "cat", "/proc/net/tcp",
+                      "/proc/net/tcp6").stdout
+            self.seen |= {hex_address(cols[1]) for cols in map(str.split, out.splitlines())
+                          if len(cols) > 3 and cols[3] == "0A"}
+
+    def __enter__(self) -> ListeningIn:
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 # ----------------------------------------------------------------- two hosts fixture
 @dataclass(frozen=True)
 class Host:
@@ -185,12 +212,14 @@ def test_two_hosts_over_veth_equal_one_host(two_hosts, tmp_path, tmp_path_factor
     endpoint = f"{host_a.addr}:29400"
     run_id = host_a.netns  # one job id shared by both nodes
     nodes, timed_out = [], False
+    listening = ListeningIn(host_a.netns)
     try:
         for host in two_hosts:
             nodes.append(start_node(host, endpoint, run_id, tmp_path / host.netns,
                                     tmp_path / f"{host.netns}.log"))
-        for node in nodes:
-            node.wait(NODE_TIMEOUT_S)
+        with listening:
+            for node in nodes:
+                node.wait(NODE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         timed_out = True
     finally:
@@ -201,6 +230,10 @@ def test_two_hosts_over_veth_equal_one_host(two_hosts, tmp_path, tmp_path_factor
         "\n---\n".join(log[-2000:] for log in logs)
     for node, log in zip(nodes, logs):
         assert node.returncode == 0, log[-4000:]
+    # Exposure: the store host listens on the address given (or loopback), never on all.
+    assert listening.seen, "no listening socket sampled on the store host"
+    assert all(addr.rsplit(":", 1)[0] in (host_a.addr, "127.0.0.1")
+               for addr in listening.seen), listening.seen
     # The launcher chose each namespace's veth for gloo (no GLOO_SOCKET_IFNAME given).
     for host, log in zip(two_hosts, logs):
         assert f"GLOO_SOCKET_IFNAME={host.ifname} " in log, log[-2000:]

@@ -136,3 +136,40 @@ def test_world_size_mismatch_is_one_line():
     }
     line = _bad_rendezvous(env, timeout=2)
     assert line.startswith("only 1 of WORLD_SIZE=2 processes joined within 2 s")
+
+
+def _groups_built_again_on_one_store(world, port):
+    """Three default groups in a row on a store that outlives each, as torchrun's agent
+    store outlives the groups of the program it launched; a preemption stop in the last."""
+    import os
+    import signal
+    import time
+
+    from ddpkit.fault import PreemptionGuard
+
+    ddpkit.shutdown()  # spawn's own group, on a store of its own
+    os.environ.update(MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    sums, stopped_at = [], None
+    for build in range(3):
+        if build and world.rank == 0:
+            time.sleep(0.5)  # rank 1 looks for rank 0's address first: only the old one is there
+        with ddpkit.distributed(backend="gloo", timeout=20) as again:
+            t = torch.tensor([float(again.rank + 1)])
+            dist.all_reduce(t)
+            sums.append(t.item())
+            if build == 2:
+                with PreemptionGuard() as guard:
+                    for step in range(1, 10):
+                        if step == 2 and again.rank == 1:
+                            os.kill(os.getpid(), signal.SIGTERM)
+                        if guard.should_stop(step):
+                            stopped_at = step
+                            break
+    return sums, stopped_at
+
+
+def test_groups_built_again_in_the_same_ranks_meet_on_fresh_keys():
+    # torchrun's agent store keeps the keys of the group before (pytorch/pytorch#55967).
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    out = ddpkit.spawn(_groups_built_again_on_one_store, 2, (store.port,), timeout=60)
+    assert out == [([3.0, 3.0, 3.0], 2)] * 2

@@ -744,3 +744,17 @@ def uneven_inputs_with_join(world) -> dict:
 def test_join_with_uneven_inputs_matches_the_default_engine(pools):
     for result in pools(2).run(uneven_inputs_with_join):
         assert result["diff"] < 1e-6
+
+
+def test_a_segment_is_readable_by_its_owner_only_whatever_the_umask():
+    old = os.umask(0)  # the most permissive a user can have
+    try:
+        seg = shm_segment.create(shm_segment.new_name(uuid.uuid4().hex[:8], "mode"), 4096)
+    finally:
+        os.umask(old)
+    try:
+        assert os.stat(seg.path).st_mode & 0o777 == 0o600
+        assert os.stat(seg.path).st_uid == os.getuid()
+    finally:
+        seg.close()
+    assert not os.path.exists(seg.path)

@@ -1,4 +1,6 @@
-"""`ddpkit train` end to end under faults: a SIGKILLed worker, a preemption signal, a hang.
+"""`ddpkit train` end to end under faults: a SIGKILLed worker and (marked ``chaos``) the
+launcher SIGKILLed then a preemption signal, each followed by the same command line, a
+full disk, a stopped rank.
 
 Every run is the same small job (synthetic data, 300 samples, global batch 32: 10 steps
 per epoch, the last one padded; 2 epochs; 2 processes; a checkpoint every 4 steps).
@@ -16,12 +18,27 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from ddpkit.fault import EXIT_PREEMPTED
+from chaos_harness import (
+    FRAME_DUMP,
+    MARKER,
+    can_mount,
+    fill,
+    is_loopback,
+    listening_sockets,
+    marked,
+    seconds_until_gone,
+    small_filesystem,
+    worker_pid,
+)
+from conftest import skip_unless_required
+from ddpkit.durable import EXIT_DISK_FULL
+from ddpkit.fault import EXIT_HANG, EXIT_PREEMPTED
 from ddpkit.train.report import read_jsonl
 from sample_audit import assert_every_sample_once
 
@@ -109,42 +126,108 @@ def test_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, tm
     _assert_metrics_continue(run, reference)
 
 
-def test_sigterm_stops_every_rank_with_a_checkpoint_and_resume_matches(reference, tmp_path):
-    # Both ranks park after step 5; SIGTERM goes to `ddpkit train` (torchrun's agent),
-    # which forwards it to the workers, as SLURM does at the end of an allocation.
-    proc = _start(*JOB, "--out-dir", str(tmp_path),
-                  env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:120"))
-    deadline = time.monotonic() + 180
-    while not list(tmp_path.glob("*/checkpoints/step_000000004.json")):
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+# ---------------------------------------------------------------------- chaos (subset)
+# The chaos run (benchmarks/chaos.py) tries every fault many times; these are one of each
+# kind that must never regress, in as few launches as tell them apart: the launcher
+# SIGKILLed and a preemption signal, a full disk, a stopped rank.
+def _wait_for(path_glob: Path | str, proc: subprocess.Popen, root: Path, limit: float = 180):
+    deadline = time.monotonic() + limit
+    while not list(root.glob(str(path_glob))):
+        assert proc.poll() is None, f"ddpkit train ended early:\n{_finish(proc)[1][-3000:]}"
+        assert time.monotonic() < deadline, f"{path_glob} did not appear"
         time.sleep(0.1)
+
+
+@pytest.mark.chaos
+def test_killed_launcher_and_sigterm_each_end_and_the_same_command_continues(
+        reference, tmp_path):
+    # 1. `ddpkit train --max-restarts 2` is SIGKILLed while both ranks are parked after
+    #    step 5: its workers go with it, and nothing writes to the run directory after.
+    run, marker = tmp_path / "run", uuid.uuid4().hex
+    argv = (*JOB, "--run-dir", str(run), "--max-restarts", "2")
+    proc = _start(*argv, env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:120", **{MARKER: marker}))
+    _wait_for("checkpoints/step_000000004.json", proc, run)
+    while worker_pid(marker, 1) is None:  # both workers up and parked after step 5
+        time.sleep(0.1)
+    # Exposure: a single-node run listens on loopback only (stores and gloo alike).
+    sockets = listening_sockets(marked(marker))
+    assert sockets and all(is_loopback(s) for s in sockets), sockets
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    proc.kill()  # SIGKILL: no handler runs in the launcher
+    proc.communicate()
+    gone = seconds_until_gone(marker, limit=10)
+    assert gone is not None and gone < 5, "workers outlived their launcher"
+    time.sleep(1)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # no headless writer
+
+    # 2. The same command line (a scheduler's rerun) continues. SIGTERM, as SLURM sends at
+    #    the end of an allocation, then stops every rank after step 9 with a checkpoint.
+    proc = _start(*argv, env=_env(DDPKIT_TEST_SLEEP_AT_STEP="9:*:120"))
+    _wait_for("checkpoints/step_000000008.json", proc, run)
     proc.send_signal(signal.SIGTERM)
     code, text = _finish(proc, timeout=90)
     assert code == EXIT_PREEMPTED, text[-3000:]
-    run = _only_run(tmp_path)
-    manifest = json.loads((run / "checkpoints" / "step_000000005.json").read_text())
+    assert f"--run-dir {run} holds this run, stopped at step 4: continuing it" in text
+    manifest = json.loads((run / "checkpoints" / "step_000000009.json").read_text())
     assert manifest["reason"] == "preempted"
     assert f"continue with: ddpkit train --resume {run}" in text
     assert not (run / "summary.json").exists()  # the run is not over
 
-    # Resume; rank 1 now straggles for 2 s, within --collective-timeout 6: that is fine.
+    # 3. --resume; rank 1 now straggles for 2 s, within --collective-timeout 6: that is fine.
     code, text = _train("--resume", str(run), "--collective-timeout", "6",
-                        DDPKIT_TEST_SLEEP_AT_STEP="7:1:2")
+                        DDPKIT_TEST_SLEEP_AT_STEP="12:1:2")
     assert code == 0, text[-3000:]
-    assert "resumed at step 5 (epoch 1, sample 160 of 300)" in text
+    assert "resumed at step 9 (epoch 1, sample 288 of 300)" in text, text[-3000:]
     _assert_same_params(run, reference)
     assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
                              world=2, samples=SAMPLES)
     _assert_metrics_continue(run, reference)
 
 
-def test_a_rank_that_stops_arriving_is_named_within_the_timeout(tmp_path):
-    timeout, margin = 3.0, 3.0
-    code, text = _train("--out-dir", str(tmp_path), "--collective-timeout", str(timeout),
-                        DDPKIT_TEST_SLEEP_AT_STEP="3:1:60")
-    assert code != 0
-    found = re.search(r"ddpkit train: error: rank 0 waited ([\d.]+) s at step 3 'step_check' "
-                      r"\(timeout 3 s\) for rank 1 \(last at step 3 'train_step'", text)
+@pytest.mark.chaos
+def test_full_disk_at_a_checkpoint_is_one_line_no_restart_and_no_debris(tmp_path):
+    if not can_mount():
+        skip_unless_required("needs root to mount a small tmpfs")
+    job = [a for a in JOB if a != "--log-sample-ids"]  # per-step logs would fill it first
+    with small_filesystem(16) as disk:
+        run = disk / "run"
+        proc = _start(*job, "--run-dir", str(run), "--max-restarts", "2",
+                      env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:5"))
+        _wait_for("checkpoints/step_000000004.json", proc, run)
+        fill(disk)  # the next write is step 8's checkpoint
+        code, text = _finish(proc)
+        assert code == EXIT_DISK_FULL, text[-3000:]
+        errors = [line for line in text.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1, text[-3000:]
+        assert re.search(rf"ddpkit train: error: no space left on device to write "
+                         rf"{run}/checkpoints/step_000000008\.pt: it needs [\d,]+ bytes, "
+                         rf"[\d,]+ bytes free there; free some space there, then continue "
+                         rf"the run: ddpkit train --resume {run}$", errors[0]), errors[0]
+        assert "Traceback" not in text and not FRAME_DUMP.search(text)
+        assert text.count("run directory:") == 1  # --max-restarts 2 did not restart into it
+        debris = [p.name for p in run.rglob("*") if ".tmp" in p.name]
+        assert debris == [] and not (run / "summary.json").exists()
+        assert [p.name for p in (run / "checkpoints").glob("*.pt")] == ["step_000000004.pt"]
+
+
+@pytest.mark.chaos
+def test_a_stopped_rank_is_named_within_the_timeout_and_every_process_ends(tmp_path):
+    marker, timeout, margin = uuid.uuid4().hex, 3.0, 3.0
+    proc = _start(*JOB, "--out-dir", str(tmp_path), "--collective-timeout", str(timeout),
+                  env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:2", **{MARKER: marker}))
+    _wait_for("*/checkpoints/step_000000004.json", proc, tmp_path)
+    stopped = worker_pid(marker, 1)
+    assert stopped is not None
+    os.kill(stopped, signal.SIGSTOP)
+    code, text = _finish(proc, timeout=120)
+    # The agent's SIGTERM takes effect in the stopped rank (continued by the launcher),
+    # instead of the agent waiting out its 30 s grace period and killing it.
+    assert "Unable to shutdown process" not in text, text[-3000:]
+    assert code == EXIT_HANG, text[-3000:]
+    found = re.search(r"ddpkit train: error: rank 0 waited ([\d.]+) s at step 5 'step_check' "
+                      r"\(timeout 3 s\) for rank 1 \(last at step 5 ", text)
     assert found, text[-3000:]
     assert float(found.group(1)) <= timeout + margin
-    assert "Traceback" not in text
+    assert "Traceback" not in text and not FRAME_DUMP.search(text)
+    gone = seconds_until_gone(marker, limit=10)
+    assert gone is not None and gone < 2

@@ -14,7 +14,9 @@ choice open:
   containers and network namespaces and leaves every node waiting as a client), the
   address of the route toward the endpoint is published (``--local-addr``), and gloo
   uses that route's interface (``GLOO_SOCKET_IFNAME``);
-* the first failing rank reported once, in one line, with exit code != 0.
+* the first failing rank reported once, in one line, with exit code != 0;
+* workers that die with the launcher, and no restart after a failure a restart would
+  only repeat (a user error, a full disk, a diverged loss: ``ddpkit.launcher_link``).
 
 ``ddpkit train``/``verify`` come in through :func:`launch` with :class:`LaunchOptions`,
 which become the same command line for the same agent. (Starting the workers without
@@ -30,15 +32,19 @@ draws it as a live status line on a terminal, or as a plain line now and then.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 import signal
 import socket
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ddpkit import rendezvous
 from ddpkit.console import PROGRESS_ENV, Console
 from ddpkit.errors import ONE_LINE_ERRORS_ENV, ConfigError
+from ddpkit.launcher_link import FinalFailure, continue_stopped_children, linked_workers
 from ddpkit.log import get_logger
 from ddpkit.torchrun_args import check_nproc, default_nproc, nnodes_range
 
@@ -61,6 +67,7 @@ class LaunchOptions:
     no_python: bool = False
     local_addr: str | None = None
     log_dir: str | None = None
+    rdzv_timeout: float | None = None  # seconds to reach the first node and for all to join
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -136,8 +143,12 @@ def torchrun_argv(opts: LaunchOptions, nproc: int) -> list[str]:
         if opts.node_rank is not None:
             argv += ["--node-rank", str(opts.node_rank)]
         is_host = host in local_addresses() if opts.node_rank is None else opts.node_rank == 0
-        if is_host:
-            argv += ["--rdzv-conf", "is_host=1"]
+        conf = ["is_host=1"] if is_host else []
+        if opts.rdzv_timeout is not None:
+            seconds = max(1, round(opts.rdzv_timeout))
+            conf += [f"read_timeout={seconds}", f"join_timeout={seconds}"]
+        if conf:
+            argv += ["--rdzv-conf", ",".join(conf)]
         local_addr = opts.local_addr or (host if is_host else route_to(host)[0])
         if local_addr:
             argv += ["--local-addr", local_addr]
@@ -154,7 +165,8 @@ def launch(script: str, script_args: Sequence[str], opts: LaunchOptions | None =
     nproc = default_nproc() if opts.nproc_per_node is None else opts.nproc_per_node
     check_nproc(nproc)
     os.environ.update(opts.extra_env)
-    return launch_argv([*torchrun_argv(opts, nproc), script, *script_args])
+    return launch_argv([*torchrun_argv(opts, nproc), script, *script_args],
+                       timeout_flag="--rdzv-timeout SECONDS")
 
 
 @contextlib.contextmanager
@@ -199,17 +211,24 @@ def report_failure(failures: dict, role: str) -> int:
     return failure.exitcode if failure.exitcode > 0 else 1
 
 
-def launch_argv(argv: Sequence[str]) -> int:
+def launch_argv(argv: Sequence[str],
+                timeout_flag: str = "--rdzv-conf read_timeout=SECONDS") -> int:
     """``ddpkit launch ARGV``: any torchrun command line, run by torchrun's agent.
 
     The line is read by torchrun's own parser (``ddpkit.torchrun_args``); what ddpkit adds
-    on top happens here: the network choices a multi-node c10d job needs, and a one-line
-    summary of the first failure. Returns the exit code.
+    on top happens here: the network choices a multi-node c10d job needs, stores that
+    listen only where they must (``ddpkit.rendezvous``), and a one-line summary of the
+    first failure. ``timeout_flag`` names the option that bounds the wait for the first
+    node, for the message when it does not answer. Returns the exit code.
     """
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousTimeoutError,
+    )
 
     from ddpkit import torchrun_args
 
@@ -217,37 +236,44 @@ def launch_argv(argv: Sequence[str]) -> int:
     run_through_script_runner(args, torchrun.get_use_env(args))
     # A DdpkitError escaping the script: one line per rank and exit 2, not a traceback.
     os.environ.setdefault(ONE_LINE_ERRORS_ENV, "1")
-    if not args.standalone:
-        choose_network(args, multi_node=nnodes_range(args.nnodes)[1] > 1)
-    if args.max_restarts > 0:
-        # torchrun's agent keeps one store server for every attempt, and a restarted rank
-        # can read its dead predecessor's gloo/NCCL address from it ("Connection refused"
-        # in connectFullMesh; pytorch/pytorch#135712). Without sharing, rank 0 of each
-        # attempt hosts a fresh store.
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    prepare_network(args, timeout_flag)
+    final = FinalFailure()
     try:
         # The agent's tee threads write to sys.stdout/sys.stderr: through the console,
         # so rank 0's progress line stays below the workers' output.
         with progress_console() as console, \
                 contextlib.redirect_stdout(console.proxy(sys.stdout)), \
-                contextlib.redirect_stderr(console.proxy(sys.stderr)):
+                contextlib.redirect_stderr(console.proxy(sys.stderr)), \
+                linked_workers(_stop_the_agent) as final, continue_stopped_children():
             torchrun.run(args)  # the real agent; it also turns --standalone into a free port
-    except RendezvousConnectionError as err:
+    except (RendezvousConnectionError, DistNetworkError, DistStoreError) as err:
         cause = err.__cause__ or err.__context__ or err
         where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
         raise ConfigError(
             f"cannot open the rendezvous store at {where} "
-            f"({str(cause).splitlines()[0] if str(cause) else type(cause).__name__}); on the "
+            f"({_first_line(cause)}); on the "
             "first node pick a free port, on the others check that the first node is up "
             "and reachable at that address"
         ) from err
+    except RendezvousTimeoutError:
+        low, high = nnodes_range(args.nnodes)
+        nodes = f"{low}" if low == high else f"{low} to {high}"
+        raise ConfigError(
+            f"the rendezvous at {args.rdzv_endpoint} did not gather {nodes} nodes in time; "
+            f"start every node with the same --rdzv-endpoint and --rdzv-id "
+            f"({timeout_flag.replace('read_timeout', 'join_timeout')} sets the wait)"
+        ) from None
     except SignalException as err:  # one of --signals-to-handle: the agent passed it on
+        if final.code is not None:  # a worker's final failure: it said why, in one line
+            return final.code
         name = signal.Signals(err.sigval).name
         print(f"ddpkit launch: got {name}; the workers were sent {name} and have stopped",
               file=sys.stderr)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
         return report_failure(err.failures, args.role)
+    finally:
+        logging.disable(logging.NOTSET)
     return 0
 
 
@@ -263,6 +289,72 @@ def run_through_script_runner(args, use_env: bool) -> None:
     args.training_script_args = [*program, *args.training_script_args]
     args.training_script = "ddpkit.script_runner"
     args.module = True
+
+
+def prepare_network(args, timeout_flag: str) -> None:
+    """Every choice about the network, before the agent starts: the c10d store host and
+    the address and interface of each node (:func:`choose_network`), stores that listen
+    on loopback on one node and on the given address across nodes (a fresh workers'
+    store for every restart), gloo on loopback on one node, then a first node that does
+    not answer as one line."""
+    max_nodes = nnodes_range(args.nnodes)[1]
+    if not args.standalone:
+        choose_network(args, multi_node=max_nodes > 1)
+    rendezvous.use_bound_rendezvous(args, max_nodes)
+    if max_nodes == 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo listens on the address of this host's name, which may be an external one.
+        loopback = route_to("127.0.0.1")[1]
+        if loopback:
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    wait_for_first_node(args, timeout_flag)
+    if args.max_restarts > 0 and args.rdzv_backend not in (rendezvous.C10D, rendezvous.STATIC):
+        # torchrun's agent keeps one store server for every attempt, and a restarted rank
+        # can read its dead predecessor's gloo/NCCL address from it ("Connection refused"
+        # in connectFullMesh; pytorch/pytorch#135712). Without sharing, rank 0 of each
+        # attempt hosts a fresh store. (ddpkit's own handlers make one per attempt.)
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+
+
+def _first_line(err: BaseException) -> str:
+    """An error's own words: its first line, without the C++ source location."""
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    return re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", text.splitlines()[0])
+
+
+def wait_for_first_node(args, timeout_flag: str) -> None:
+    """On a node that joins another node's store: wait until it answers, or one line."""
+    from torch.distributed.elastic.rendezvous.utils import (
+        _parse_rendezvous_config,
+        parse_rendezvous_endpoint,
+    )
+
+    conf = _parse_rendezvous_config(args.rdzv_conf)
+    if args.rdzv_backend == rendezvous.C10D:
+        joins = str(conf.get("is_host", "")).lower() not in ("1", "true", "yes", "y")
+        timeout = float(conf.get("read_timeout", 60))
+    elif args.rdzv_backend == rendezvous.STATIC:
+        joins = int(conf.get("rank", 0)) != 0
+        timeout = float(conf.get("timeout", 600))  # torch's static store timeout
+        timeout_flag = "--rdzv-conf timeout=SECONDS"
+    else:
+        return
+    if joins:
+        host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, rendezvous.DEFAULT_PORT)
+        rendezvous.wait_for_endpoint(host, port, timeout, f"({timeout_flag} sets the wait)")
+
+
+def _stop_the_agent() -> BaseException:
+    """What a worker's final failure raises in the agent's loop: the exception torchrun's
+    own signal handlers raise, so the agent stops its workers (SIGTERM, then SIGKILL
+    after its grace period) instead of restarting them. Its log lines about stopping
+    them would only repeat what the worker said."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    logging.disable(logging.WARNING)
+    return SignalException("a worker failed in a way a restart would repeat",
+                           sigval=signal.SIGTERM)
 
 
 def choose_network(args, multi_node: bool) -> None:

@@ -28,6 +28,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 _INIT_SCHEMES = ("env://", "tcp://", "file://")
 
 _world: World | None = None  # what init() set up in this process, if anything
+_groups_built = 0  # default groups init() built in this process; later ones get fresh keys
 
 
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
@@ -67,7 +68,7 @@ def init(
     dead peer hangs the job for hours.
     Calling init again returns the same World.
     """
-    global _world
+    global _world, _groups_built
     if dist.is_initialized():
         if _world is None:  # someone else (a user's own init) created the group
             _world = World.from_env(require_master_addr=False)
@@ -97,13 +98,35 @@ def init(
         dist.init_process_group(store=dist.HashStore(), **kwargs)
     else:
         try:
-            dist.init_process_group(init_method=init_method or "env://", **kwargs)
+            if _groups_built:
+                dist.init_process_group(store=_store_for_another_group(init_method, kwargs),
+                                        **kwargs)
+            else:
+                dist.init_process_group(init_method=init_method or "env://", **kwargs)
         except (dist.DistNetworkError, dist.DistStoreError) as err:
             raise _rendezvous_error(err, world, init_method, kwargs["timeout"]) from err
     _world = world
+    _groups_built += 1
     lifetime.destroy_default_group_at_exit()
     log.debug(f"initialized {backend} process group: {world}")
     return world
+
+
+def _store_for_another_group(init_method: str | None, kwargs: dict) -> dist.Store:
+    """The job's store (torch's rendezvous), under keys no earlier group of this process
+    used.
+
+    torch names the default group's keys by a counter that ``destroy_process_group``
+    resets, so a group built again on a store that outlived the last one (torchrun's
+    agent store lives as long as the launch) finds the addresses the previous group's
+    ranks published: gloo connects to closed sockets and fails, or waits
+    (pytorch/pytorch#55967). Every rank builds its groups in the same order, so the
+    count names the same fresh keys on every rank.
+    """
+    store, _, _ = next(dist.rendezvous(init_method or "env://", kwargs["rank"],
+                                       kwargs["world_size"], timeout=kwargs["timeout"]))
+    store.set_timeout(kwargs["timeout"])
+    return dist.PrefixStore(f"ddpkit/group{_groups_built}", store)
 
 
 def _rendezvous_error(err: Exception, world: World, init_method, timeout: timedelta) -> Exception:

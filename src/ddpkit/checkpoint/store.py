@@ -9,8 +9,12 @@ that protocol trustworthy:
   the same way and fsyncs the directory. The manifest is the commit point: a payload
   without a manifest is an interrupted write and is never chosen.
 * **Verified loads.** The manifest holds the payload's size and sha256. ``latest()``
-  walks back from the newest checkpoint and skips (with a warning) any that is missing,
-  truncated or corrupt, so a crash during a write costs one checkpoint, never the run.
+  walks back from the newest checkpoint and skips, with a warning that says exactly what
+  is wrong, any whose payload or manifest is missing, truncated or corrupt, so a crash
+  during a write costs one checkpoint, never the run; a damaged one is never used.
+* **A full disk is named.** Running out of space at any write leaves no temporary file
+  and no half-committed checkpoint, and raises :class:`~ddpkit.durable.DiskFullError`
+  (the path, the bytes needed and free) on every rank.
 * **Every rank agrees.** ``save`` and ``load_latest`` are collective when a process group
   exists: rank 0 decides, broadcasts the outcome, and every rank either succeeds or
   raises the same error (no rank left waiting in a barrier for a writer that failed).
@@ -20,6 +24,7 @@ that protocol trustworthy:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -35,18 +40,27 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.checkpoint._dist import _initialized, _rank, _world_size, local_device
+from ddpkit.durable import (
+    TMP_MARK,
+    CountingSink,
+    DiskFullError,
+    atomic_file,
+    free_bytes,
+    fsync_dir,
+    is_disk_full,
+    write_atomic,
+)
 from ddpkit.errors import DdpkitError
 from ddpkit.log import get_logger
 
 log = get_logger(__name__)
 
 FORMAT = "ddpkit-checkpoint/1"
-_NAME = re.compile(r"^step_(\d{9})\.pt$")
+_NAME = re.compile(r"^step_(\d{9})\.(pt|json)$")
 # one file per rank next to the payload (a sharded optimizer's state), listed in the manifest
 _SHARD_NAME = re.compile(r"^step_(\d{9})\.rank(\d{5})-of-(\d{5})\.pt$")
 RANK_SHARD = "rank_shard"  # state key: this rank's own part, written to its own file
 SHARD_FILES = "rank_shard_files"  # state key after a load: every rank's file, by rank
-_TMP_MARK = ".tmp-"
 
 
 class CheckpointError(DdpkitError, RuntimeError):
@@ -73,15 +87,6 @@ class CheckpointInfo:
 
 
 # --------------------------------------------------------------------- helpers
-def _fsync_dir(path: Path) -> None:
-    # A rename is only durable once the directory entry itself reaches the disk.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _HashingWriter:
     """A write-only file wrapper that hashes what passes through, so the checksum costs
     no second read and the payload is never held in memory twice."""
@@ -102,17 +107,29 @@ class _HashingWriter:
         self._f.flush()
 
 
-def _agree(ok: bool, message: str) -> None:
-    """Collective: every rank raises if any rank failed, with the first failure's text."""
-    if not _initialized():
-        if not ok:
-            raise CheckpointError(message)
-        return
-    outcomes: list[Any] = [None] * _world_size()
-    dist.all_gather_object(outcomes, (ok, message))
-    for rank, (rank_ok, rank_message) in enumerate(outcomes):
+def _outcome(err: BaseException | None, context: str = "") -> tuple[bool, str, Any]:
+    """What a rank tells the others about its part of a collective operation: ok, the
+    message, and a :class:`DiskFullError` itself (picklable), so that every rank raises
+    the same kind of error."""
+    if err is None:
+        return True, "", None
+    if isinstance(err, DiskFullError):
+        return False, str(err), err
+    return False, f"{context}{type(err).__name__}: {err}" if context else str(err), None
+
+
+def _agree(ok: bool, message: str, disk_full: DiskFullError | None = None) -> None:
+    """Collective: every rank raises if any rank failed, with the first failure's text
+    (a full disk as :class:`DiskFullError` everywhere, the rest as CheckpointError)."""
+    outcomes: list[Any] = [(ok, message, disk_full)]
+    if _initialized():
+        outcomes = [None] * _world_size()
+        dist.all_gather_object(outcomes, (ok, message, disk_full))
+    for rank, (rank_ok, rank_message, rank_full) in enumerate(outcomes):
         if not rank_ok:
-            suffix = "" if rank == _rank() else f" (reported by rank {rank})"
+            if rank_full is not None:
+                raise rank_full
+            suffix = "" if rank == _rank() or not _initialized() else f" (reported by rank {rank})"
             raise CheckpointError(rank_message + suffix)
 
 
@@ -122,6 +139,13 @@ def _from_rank0(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _serialized_size(obj: Any) -> int:
+    """Bytes ``torch.save`` writes for ``obj``, counted without a disk."""
+    sink = CountingSink()
+    torch.save(obj, sink)
+    return sink.size
 
 
 def _sha256_file(path: Path, chunk: int = 8 << 20) -> tuple[str, int]:
@@ -155,26 +179,30 @@ class Checkpointer:
         self.keep = keep
         if not create:
             return
-        ok, message = True, ""
+        outcome = _outcome(None)
         if _rank() == 0:
             try:
                 self._check_writable()
-            except CheckpointError as err:
-                ok, message = False, str(err)
-        _agree(ok, message)
+            except (CheckpointError, DiskFullError) as err:
+                outcome = _outcome(err)
+        _agree(*outcome)
 
     def _check_writable(self) -> None:
         if self.dir.exists() and not self.dir.is_dir():
             raise CheckpointError(
                 f"checkpoint directory {self.dir} exists and is not a directory; pick another path"
             )
-        probe = self.dir / f".write-probe{_TMP_MARK}{os.getpid()}"
+        probe = self.dir / f".write-probe{TMP_MARK}{os.getpid()}"
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             with open(probe, "wb") as f:
                 f.write(b"ok")
             probe.unlink()
         except OSError as err:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+            if is_disk_full(err):
+                raise DiskFullError(self.dir, None, free_bytes(self.dir)) from None
             raise CheckpointError(
                 f"checkpoint directory {self.dir} is not writable ({err.strerror or err}); "
                 "fix its permissions or choose another directory"
@@ -212,48 +240,38 @@ class Checkpointer:
             mine = state[RANK_SHARD]
             state = {k: v for k, v in state.items() if k != RANK_SHARD}
             shards = self._write_rank_shards(mine, step)
-        ok, message = True, ""
+        outcome = _outcome(None)
         if _rank() == 0:
             try:
                 self._write(state, step, reason, dict(meta or {}), shards)
                 self._rotate(keep_newest=path)
             except Exception as err:  # any failure must reach the other ranks, not hang them
-                ok = False
-                message = f"could not write checkpoint {path}: {type(err).__name__}: {err}"
+                outcome = _outcome(err, f"could not write checkpoint {path}: ")
         # Doubles as the seeds' barrier: no rank goes on (or loads) before the commit.
-        _agree(ok, message)
+        _agree(*outcome)
         return path
 
     def _write_rank_shards(self, mine: Any, step: int) -> list[tuple[str, int, str]]:
-        """Every rank writes its part atomically (temporary file, fsync, rename) and
-        learns every rank's (name, bytes, sha256); a failure anywhere raises everywhere.
-        Nothing is committed here: the manifest rank 0 writes next lists these files."""
+        """Every rank writes its part atomically (nothing left on a failure) and learns
+        every rank's (name, bytes, sha256); a failure anywhere raises everywhere (a full
+        disk as DiskFullError). Nothing is committed here: the manifest rank 0 writes next
+        lists these files."""
         name = f"step_{step:09d}.rank{_rank():05d}-of-{_world_size():05d}.pt"
-        outcome: tuple = (False, "", name, 0, "")
-        tmp = self.dir / f".{name}{_TMP_MARK}{os.getpid()}"
+        outcome, written = _outcome(None), (name, 0, "")
         try:
-            with open(tmp, "wb") as f:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with atomic_file(self.dir / name, size=lambda: _serialized_size(mine)) as f:
                 writer = _HashingWriter(f)
                 torch.save(mine, writer)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.dir / name)
-            outcome = (True, "", name, writer.size, writer.sha.hexdigest())
+            written = (name, writer.size, writer.sha.hexdigest())
         except Exception as err:  # reported to every rank below
-            outcome = (False, f"could not write {self.dir / name}: {type(err).__name__}: {err}",
-                       name, 0, "")
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        outcomes = [outcome]
-        if _initialized():
-            outcomes = [None] * _world_size()
-            dist.all_gather_object(outcomes, outcome)
-        for rank, (ok, message, *_rest) in enumerate(outcomes):
-            if not ok:
-                suffix = "" if rank == _rank() else f" (reported by rank {rank})"
-                raise CheckpointError(message + suffix)
-        return [(n, size, sha) for _ok, _m, n, size, sha in outcomes]
+            outcome = _outcome(err, f"could not write {self.dir / name}: ")
+        _agree(*outcome)
+        if not _initialized():
+            return [written]
+        everyone: list[Any] = [None] * _world_size()
+        dist.all_gather_object(everyone, written)
+        return everyone
 
     def _write(
         self, state: Mapping[str, Any], step: int, reason: str, meta: dict[str, Any],
@@ -263,56 +281,50 @@ class Checkpointer:
         self._remove_temporaries()
         path = self.path_for(step)
         manifest_path = self._manifest_of(path)
-        tmp = self.dir / f".{path.name}{_TMP_MARK}{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                writer = _HashingWriter(f)
-                torch.save(dict(state), writer)
-                f.flush()
-                os.fsync(f.fileno())
+        manifest = {"format": FORMAT, "file": path.name, "step": int(step), "bytes": 0,
+                    "sha256": "0" * 64, "world_size": _world_size(), "reason": reason,
+                    "saved_at": time.time(), "meta": meta}
+
+        def needed() -> int:  # asked only on a full disk: payload and manifest
+            return _serialized_size(dict(state)) + len(json.dumps(manifest, indent=1)) + 16
+
+        with atomic_file(path, size=needed) as f:
+            writer = _HashingWriter(f)
+            torch.save(dict(state), writer)
             if manifest_path.exists():
                 # Re-saving a step: uncommit the old pair first so the new payload is
                 # never paired with the old manifest.
                 manifest_path.unlink()
-            os.replace(tmp, path)
-            manifest = {
-                "format": FORMAT,
-                "file": path.name,
-                "step": int(step),
-                "bytes": writer.size,
-                "sha256": writer.sha.hexdigest(),
-                "world_size": _world_size(),
-                "reason": reason,
-                "saved_at": time.time(),
-                "meta": meta,
-            }
-            if shards:
-                manifest["shards"] = [{"file": n, "bytes": b, "sha256": h} for n, b, h in shards]
+        manifest.update(bytes=writer.size, sha256=writer.sha.hexdigest())
+        if shards:
+            manifest["shards"] = [{"file": n, "bytes": b, "sha256": h} for n, b, h in shards]
+        try:
             self._write_small(manifest_path, json.dumps(manifest, indent=1).encode())
-            _fsync_dir(self.dir)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+        except BaseException as err:
+            # The payload is in place but uncommitted: remove it rather than leave a
+            # checkpoint that looks interrupted.
+            path.unlink(missing_ok=True)
+            if isinstance(err, DiskFullError):
+                raise DiskFullError(manifest_path, writer.size + (err.needed or 0),
+                                    free_bytes(self.dir)) from None
+            raise
+        fsync_dir(self.dir)
         log.debug(f"saved checkpoint {path} ({writer.size / 2**20:.1f} MiB, {reason})")
 
     def _write_small(self, path: Path, data: bytes) -> None:
-        tmp = self.dir / f".{path.name}{_TMP_MARK}{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, data)
 
     def _remove_temporaries(self) -> None:
         # Leftovers of a writer that died; only rank 0 of one job writes here.
         for entry in self.dir.iterdir():
-            if entry.name.startswith(".") and _TMP_MARK in entry.name:
+            if entry.name.startswith(".") and TMP_MARK in entry.name:
                 entry.unlink(missing_ok=True)
 
     def _rotate(self, keep_newest: Path) -> None:
-        """Drop all but the newest ``keep`` committed checkpoints, and payloads that were
-        never committed and are older than the one just written (crash leftovers). The
-        checkpoint just committed is always kept, so the only good one is never deleted."""
+        """Drop all but the newest ``keep`` committed checkpoints, and the leftovers older
+        than the one just written: payloads never committed, manifests whose payload is
+        gone or that cannot be read. The checkpoint just committed is always kept, so the
+        only good one is never deleted."""
         committed = self.checkpoints()
         doomed = [] if self.keep is None else committed[: max(len(committed) - self.keep, 0)]
         for info in doomed:
@@ -322,36 +334,52 @@ class Checkpointer:
             info.path.unlink(missing_ok=True)
             for name, _size, _sha in info.shards:
                 (self.dir / name).unlink(missing_ok=True)
-        newest_step = int(_NAME.match(keep_newest.name).group(1))
-        for payload in self._payloads():
-            step = int(_NAME.match(payload.name).group(1))
-            if step < newest_step and not self._manifest_of(payload).exists():
-                payload.unlink(missing_ok=True)
-        for entry in self.dir.iterdir():
+        newest_step = self._step_of(keep_newest)
+        readable = {info.step for info in self.checkpoints() if info.path.exists()}
+        for step in self._steps():
+            if step < newest_step and step not in readable:
+                self._manifest_of(self.path_for(step)).unlink(missing_ok=True)
+                self.path_for(step).unlink(missing_ok=True)
+        for entry in self.dir.iterdir():  # per-rank files of checkpoints never committed
             found = _SHARD_NAME.match(entry.name)
             if found and int(found.group(1)) < newest_step and not self._manifest_of(
                     self.path_for(int(found.group(1)))).exists():
                 entry.unlink(missing_ok=True)
 
     # ---------------------------------------------------------------- listing
-    def _payloads(self) -> list[Path]:
+    @staticmethod
+    def _step_of(path: Path) -> int:
+        return int(_NAME.match(path.name).group(1))
+
+    def _steps(self) -> list[int]:
+        """Every step with a payload or a manifest in the directory, oldest first."""
         if not self.dir.is_dir():
             return []
-        return sorted(p for p in self.dir.iterdir() if _NAME.match(p.name))
+        return sorted({self._step_of(p) for p in self.dir.iterdir() if _NAME.match(p.name)})
 
     def checkpoints(self) -> list[CheckpointInfo]:
-        """Committed checkpoints (a readable manifest exists), oldest first. Not verified."""
+        """Committed checkpoints (a readable manifest exists), oldest first. Not verified:
+        a payload may be missing or damaged (:meth:`verify`)."""
         found = []
-        for payload in self._payloads():
-            info = self._read_manifest(payload)
-            if info is not None:
+        for step in self._steps():
+            info = self._read_manifest(self.path_for(step))
+            if isinstance(info, CheckpointInfo):
                 found.append(info)
         return found
 
-    def _read_manifest(self, payload: Path) -> CheckpointInfo | None:
+    def _read_manifest(self, payload: Path) -> CheckpointInfo | str:
+        """The manifest of ``payload``, or what is wrong with it."""
+        manifest = self._manifest_of(payload)
         try:
-            meta = json.loads(self._manifest_of(payload).read_text())
-            return CheckpointInfo(
+            text = manifest.read_text()
+        except FileNotFoundError:
+            return (f"its manifest {manifest.name} is missing: the write stopped before its "
+                    "commit, or the manifest was deleted")
+        except (OSError, UnicodeDecodeError) as err:
+            return f"its manifest {manifest.name} cannot be read ({err})"
+        try:
+            meta = json.loads(text)
+            info = CheckpointInfo(
                 path=payload,
                 step=int(meta["step"]),
                 size=int(meta["bytes"]),
@@ -363,20 +391,29 @@ class Checkpointer:
                 shards=tuple((str(e["file"]), int(e["bytes"]), str(e["sha256"]))
                              for e in meta.get("shards", ())),
             )
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        except ValueError as err:
+            what = "empty" if not text.strip() else f"not valid JSON ({err})"
+            return f"its manifest {manifest.name} is damaged: truncated or corrupt, {what}"
+        except (KeyError, TypeError, AttributeError) as err:
+            return f"its manifest {manifest.name} is damaged: no valid field {err}"
+        if info.step != self._step_of(payload):
+            return f"its manifest {manifest.name} describes step {info.step}, not this file"
+        return info
 
     def verify(self, info: CheckpointInfo) -> str | None:
         """Why ``info``'s payload cannot be trusted, or None if it matches its manifest."""
         try:
             actual_size = info.path.stat().st_size
         except OSError:
-            return "payload file is missing"
-        if actual_size != info.size:
-            return f"truncated or overwritten: {actual_size} bytes, manifest says {info.size}"
+            return (f"the payload file is missing (its manifest "
+                    f"{self._manifest_of(info.path).name} is there): deleted or moved")
+        if actual_size < info.size:
+            return f"truncated: {actual_size} bytes, its manifest says {info.size}"
+        if actual_size > info.size:
+            return f"overwritten: {actual_size} bytes, its manifest says {info.size}"
         digest, _ = _sha256_file(info.path)
         if digest != info.sha256:
-            return "sha256 mismatch: the file is corrupt"
+            return "sha256 mismatch: its bytes changed after it was written (corrupt)"
         for name, size, sha in info.shards:
             shard = self.dir / name
             try:
@@ -388,24 +425,27 @@ class Checkpointer:
         return None
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest checkpoint that verifies, warning about each newer one skipped.
+        """The newest checkpoint that verifies, with a warning for each newer one skipped
+        that says what is wrong with it and what is used instead.
 
         Local (not collective): call it on one rank, or use :meth:`load_latest`.
         """
-        committed = {info.path: info for info in self.checkpoints()}
-        skipped: list[str] = []
-        for payload in reversed(self._payloads()):
-            info = committed.get(payload)
-            problem = "no manifest (the writer stopped before committing it)"
-            if info is not None:
-                problem = self.verify(info)
-                if problem is None:
-                    for line in skipped:
-                        log.warning(f"{line}; falling back to {info.name}")
-                    return info
-            skipped.append(f"skipping checkpoint {payload}: {problem}")
-        for line in skipped:
-            log.warning(f"{line}; no older checkpoint to fall back to")
+        problems: list[tuple[Path, str]] = []
+        for step in reversed(self._steps()):
+            payload = self.path_for(step)
+            info = self._read_manifest(payload)
+            problem = info if isinstance(info, str) else self.verify(info)
+            if problem is None:
+                for damaged, why in problems:
+                    log.warning(f"skipping checkpoint {damaged}: {why}; falling back to "
+                                f"{info.name} (step {info.step})")
+                return info
+            problems.append((payload, problem))
+        for i, (damaged, why) in enumerate(problems):
+            older = len(problems) - 1 - i
+            rest = ("no older checkpoint to fall back to" if older == 0 else
+                    f"the {older} older one{'s are' if older > 1 else ' is'} damaged too")
+            log.warning(f"skipping checkpoint {damaged}: {why}; {rest}")
         return None
 
     # ---------------------------------------------------------------- loading
@@ -440,7 +480,7 @@ class Checkpointer:
         if not isinstance(state, dict):
             raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, not a dict")
         info = self._read_manifest(path)
-        if info is not None and info.shards:
+        if isinstance(info, CheckpointInfo) and info.shards:
             # Not loaded here: each is read once, by whoever needs its part.
             state[SHARD_FILES] = [str(path.parent / name) for name, _size, _sha in info.shards]
         return state

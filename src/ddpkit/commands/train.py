@@ -26,6 +26,8 @@ from pathlib import Path
 
 from ddpkit.commands.launch import add_launch_options, options_from_args
 from ddpkit.errors import ConfigError
+from ddpkit.launcher_link import child_pids
+from ddpkit.run_lock import RunLock
 from ddpkit.train.config import Config, resolve
 from ddpkit.train.options import add_run_options, add_train_options, config_from_args
 
@@ -51,6 +53,9 @@ def register(sub) -> None:
     add_train_options(p)
     add_run_options(p)
     add_launch_options(p)
+    p.add_argument("--rdzv-timeout", type=float, default=None, metavar="SECONDS",
+                   help="several nodes: how long to wait for the first node to answer and "
+                        "for every node to join (default: 60 s to answer, 600 s to join)")
     p.set_defaults(func=run)
 
 
@@ -63,11 +68,8 @@ def prepare_run_dir(cfg: Config, run_dir: str | None, single_node: bool,
     """
     from ddpkit.train import report
 
-    if run_dir is not None:
+    if run_dir is not None:  # new or empty (resume.run_to_continue decided)
         path = Path(run_dir)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            raise ConfigError(f"--run-dir {path} already exists and is not empty; continue "
-                              f"that run with --resume {path}, or choose a new directory")
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -84,30 +86,13 @@ def prepare_run_dir(cfg: Config, run_dir: str | None, single_node: bool,
     return report.new_run_dir(cfg.train.out_dir, tag)
 
 
-def _child_pids() -> list[int]:
-    """This process's children (the workers torchrun's agent started), from /proc."""
-    me, found = os.getpid(), []
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == me:
-            found.append(int(entry.name))
-    return found
-
-
 @contextlib.contextmanager
 def forward_to_workers(signals: tuple[int, ...]) -> Iterator[None]:
     """Pass ``signals`` on to the workers. torchrun's agent forwards SIGTERM itself
     (and then stops); SIGUSR1, SLURM's early warning, would otherwise end the agent
     and orphan its workers."""
     def forward(signum, frame):
-        for pid in _child_pids():
+        for pid in child_pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
@@ -119,14 +104,22 @@ def forward_to_workers(signals: tuple[int, ...]) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _finished_since(run_dir: Path, started: float) -> bool:
+    """Whether the run wrote its summary (the last word of a finished run) since ``started``."""
+    from ddpkit.train.report import SUMMARY_FILE
+
+    try:
+        return (run_dir / SUMMARY_FILE).stat().st_mtime >= started
+    except OSError:
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     # Imports that need torch wait until they are needed: the launching process of a
     # default run never imports it (the workers do).
-    from ddpkit.launch import default_nproc, launch
-    from ddpkit.log import get_logger
+    from ddpkit.launch import default_nproc
     from ddpkit.train import resume
-    from ddpkit.train.names import EXIT_PREEMPTED
-    from ddpkit.train.prelaunch import check_data, check_world_size, quiet_omp_warning
+    from ddpkit.train.prelaunch import check_data, check_launch, check_world_size
     from ddpkit.world import World
 
     # Only who started this process matters here, not its devices (which need torch).
@@ -148,17 +141,62 @@ def run(args: argparse.Namespace) -> int:
         if out_dir is None and args.resume == resume.LATEST:
             out_dir = resolve(vars(args), args.config).train.out_dir
         resume_dir = resume.find_run_dir(args.resume, out_dir or "runs")
+    elif args.run_dir is not None:
+        # The same command line again after a stop (a scheduler's rerun) continues the run.
+        resume_dir = resume.run_to_continue(Path(args.run_dir))
     cfg = config_from_args(args, resume_dir)
     opts = options_from_args(args)
+    if args.rdzv_timeout is not None:
+        if not args.rdzv_timeout > 0:
+            raise ConfigError(f"--rdzv-timeout must be > 0 seconds, got {args.rdzv_timeout}")
+        opts.rdzv_timeout = args.rdzv_timeout
     check_world_size(cfg, opts)
-    if resume_dir is not None:
-        resume.check_resumable(resume_dir, cfg)
+    check_launch(cfg, opts)
     check_data(cfg)
     single_node = opts.nnodes in ("1", "1:1")
     run_dir = resume_dir
     if run_dir is None:
         nproc = opts.nproc_per_node or default_nproc()
         run_dir = prepare_run_dir(cfg, args.run_dir, single_node, nproc)
+    lock = None
+    if run_dir is not None and single_node:
+        # One writer per run directory; the workers of this launcher write under its lock.
+        # (Several nodes cannot all hold it: there rank 0 of the job takes it.)
+        lock = RunLock.acquire(run_dir)
+        if args.run_dir is not None:
+            try:
+                _same_as_before_the_lock(Path(args.run_dir), resume_dir)
+            except BaseException:
+                lock.release()
+                raise
+        opts.extra_env.update(lock.vouch())
+    with lock or contextlib.nullcontext():
+        return _launch(args, cfg, opts, run_dir, resume_dir)
+
+
+def _same_as_before_the_lock(run_dir: Path, decided: Path | None) -> None:
+    """``--run-dir R`` read again under R's lock: a run that was still going when R was
+    first looked at may have finished (or stopped) since, and is not written twice."""
+    from ddpkit.train import resume
+
+    if resume.run_to_continue(run_dir) != decided:  # a finished run raises its own line
+        raise ConfigError(f"--run-dir {run_dir} was written by another ddpkit train while "
+                          "this one started; run the same command again")
+
+
+def _launch(args: argparse.Namespace, cfg: Config, opts, run_dir: Path | None,
+            resume_dir: Path | None) -> int:
+    from ddpkit.launch import launch
+    from ddpkit.log import get_logger
+    from ddpkit.train import resume
+    from ddpkit.train.names import EXIT_PREEMPTED
+    from ddpkit.train.prelaunch import quiet_omp_warning
+
+    if resume_dir is not None:
+        info = resume.check_resumable(resume_dir, cfg)
+        if args.resume is None:
+            print(f"ddpkit train: --run-dir {run_dir} holds this run, stopped at step "
+                  f"{info.step}: continuing it", file=sys.stderr, flush=True)
     if run_dir is None and opts.max_restarts > 0:
         get_logger(__name__).warning(
             "--max-restarts on several nodes without --run-dir: restarted workers will "
@@ -176,12 +214,18 @@ def run(args: argparse.Namespace) -> int:
             code = launch(WORKER_MODULE, argv, opts)
     except SignalException as err:  # the agent forwarded it, the workers have stopped
         code = 128 + int(err.sigval)
+    if code > 128 and run_dir is not None and _finished_since(run_dir, started):
+        # The signal came while the agent was winding down a run that had just ended.
+        print(f"ddpkit train: the run had finished when the signal came; results in "
+              f"{run_dir}", file=sys.stderr, flush=True)
+        return 0
     # Under the agent a stopped worker exits 0 (or the agent reports the signal), so the
     # newest checkpoint tells whether the run was stopped.
     stopped = resume.preempted_since(run_dir, started) if run_dir is not None else None
     if stopped is not None:
+        again = " (or the same command again)" if args.run_dir is not None else ""
         print(f"ddpkit train: stopped by a signal at step {stopped.step}; checkpoint "
-              f"{stopped.path}; continue with: ddpkit train --resume {run_dir}",
+              f"{stopped.path}; continue with: ddpkit train --resume {run_dir}{again}",
               file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
     return code

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -233,12 +234,12 @@ class Config:
         check_factory_spec(m.name, "--model", MODELS)
         if not m.hidden or any(h < 1 for h in m.hidden):
             raise bad("--hidden", f"must be positive integers, got {m.hidden}")
-        if not o.lr > 0:
-            raise bad("--lr", f"must be > 0, got {o.lr}")
+        if not 0 < o.lr < math.inf:
+            raise bad("--lr", f"must be > 0 and finite, got {o.lr}")
         if not 0 <= o.momentum < 1:
             raise bad("--momentum", f"must be in [0, 1), got {o.momentum}")
-        if o.weight_decay < 0:
-            raise bad("--weight-decay", f"must be >= 0, got {o.weight_decay}")
+        if not 0 <= o.weight_decay < math.inf:
+            raise bad("--weight-decay", f"must be >= 0 and finite, got {o.weight_decay}")
         if o.name not in OPTIMIZERS:
             raise bad("--optimizer", f"{o.name!r} is not one of {', '.join(OPTIMIZERS)}")
         if o.lr_schedule not in SCHEDULES:
@@ -386,6 +387,10 @@ def read_toml(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"--config {path}: no such file") from None
     except OSError as exc:
         raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
+                          f"at offset {exc.start}); TOML files are UTF-8: save it as UTF-8")\
+            from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
 

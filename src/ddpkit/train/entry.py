@@ -1,7 +1,15 @@
 """How a worker process of the training application ends, whichever way it was
 started (``ddpkit train``/``ddpkit verify`` launching it, or torchrun, srun or mpirun
 running the command on every rank): one exit code per outcome, and a user error printed
-once per node rather than once per rank."""
+once per node rather than once per rank.
+
+Exit codes: 0 done (or stopped by a signal under an agent), 2 a user error,
+:data:`~ddpkit.durable.EXIT_DISK_FULL` (74) a full disk,
+:data:`~ddpkit.train.divergence.EXIT_DIVERGED` (65) a loss that stopped being finite,
+:data:`~ddpkit.fault.EXIT_HANG` (124) a collective that timed out. A full disk, a
+diverged loss, a configuration or checkpoint error are final: a restart would repeat
+them, so ddpkit's launcher is told not to restart (:func:`ddpkit.launcher_link.report_final`);
+the rest (a peer that died, a hang, a bug) are what ``--max-restarts`` is for."""
 
 from __future__ import annotations
 
@@ -15,8 +23,16 @@ from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddpkit.errors import DdpkitError
+from ddpkit.checkpoint import CheckpointError
+from ddpkit.durable import EXIT_DISK_FULL, DiskFullError
+from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.fault import EXIT_HANG, HangError
+from ddpkit.launcher_link import report_final
+from ddpkit.train.divergence import EXIT_DIVERGED, DivergedError
+
+# What a restart would only repeat. Not a CommError: a collective that lost a peer that
+# died (the shared-memory engine says so) is what a restart is for.
+FINAL = (ConfigError, CheckpointError, DiskFullError, DivergedError)
 
 
 def run_entry(command: str, body: Callable[[], int]) -> int:
@@ -35,10 +51,15 @@ def run_entry(command: str, body: Callable[[], int]) -> int:
             print(f"ddpkit {command}: error: {err}", file=sys.stderr, flush=True)
             return EXIT_HANG
         except DdpkitError as err:
-            # Every rank hits the same user error: one line per node is enough.
+            # Every rank hits the same error (a user error, a full disk, a diverged loss
+            # are agreed by all ranks): one line per node is enough.
+            code = (EXIT_DISK_FULL if isinstance(err, DiskFullError) else
+                    EXIT_DIVERGED if isinstance(err, DivergedError) else 2)
             if os.environ.get("LOCAL_RANK", "0") == "0":
                 print(f"ddpkit {command}: error: {err}", file=sys.stderr, flush=True)
-            return 2
+            if isinstance(err, FINAL):
+                report_final(code)
+            return code
 
     return guarded()
 

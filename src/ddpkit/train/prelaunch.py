@@ -12,7 +12,7 @@ import os
 
 from ddpkit.errors import ConfigError
 from ddpkit.shard_count import check_virtual_shards
-from ddpkit.torchrun_args import default_nproc
+from ddpkit.torchrun_args import cpu_only_torch, default_nproc
 from ddpkit.train import recipe
 from ddpkit.train.config import Config
 
@@ -37,6 +37,24 @@ def check_world_size(cfg: Config, opts) -> None:
         local_batch_size(cfg.train.batch_size, nproc * nnodes)  # raises, in its words
     if cfg.train.exact:
         check_virtual_shards(cfg.virtual_shards(), cfg.train.batch_size, nproc * nnodes)
+
+
+def check_launch(cfg: Config, opts) -> None:
+    """What the agent or every worker would refuse only after the run directory exists
+    and the workers started: checked before anything is made."""
+    if opts.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {opts.max_restarts}")
+    if cfg.train.precision == "fp16":
+        import_free = cpu_only_torch()  # a CPU-only build answers without importing torch
+        if import_free or not _cuda_available():
+            raise ConfigError("--precision fp16 needs CUDA (its GradScaler) and this machine "
+                              "has no usable CUDA GPU: use --precision bf16")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def check_data(cfg: Config) -> None:

@@ -2,11 +2,14 @@
 
 Only rank 0 calls these. A run directory is never reused: its name is a timestamp plus a
 counter, created with ``exist_ok=False`` so two runs started in the same second (or on a
-shared file system) each get their own.
+shared file system) each get their own. Every file is written through
+:mod:`ddpkit.durable`: complete or absent, never half of one, and a full disk is a
+:class:`~ddpkit.durable.DiskFullError` naming the file and the bytes it needs.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import time
@@ -14,8 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ddpkit.durable import CountingSink, append_line, atomic_file, write_atomic
 from ddpkit.errors import ConfigError
-from ddpkit.jsonfiles import json_safe, write_atomic
+from ddpkit.jsonfiles import json_safe
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -53,9 +57,7 @@ def new_run_dir(out_dir: str | os.PathLike, tag: str) -> Path:
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with path.open("a") as fh:
-        fh.write(json.dumps(json_safe(record), sort_keys=True) + "\n")
-        fh.flush()
+    append_line(path, json.dumps(json_safe(record), sort_keys=True))
 
 
 def write_jsonl(path: Path, records: Sequence[dict[str, Any]]) -> None:
@@ -65,12 +67,17 @@ def write_jsonl(path: Path, records: Sequence[dict[str, Any]]) -> None:
 
 
 def save_model(state: dict[str, Any], path: Path) -> None:
-    """The trained weights, loadable with ``torch.load(path, weights_only=True)``."""
+    """The trained weights, loadable with ``torch.load(path, weights_only=True)``;
+    durable (fsync'd) when this returns."""
     import torch
 
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    def size() -> int:
+        sink = CountingSink()
+        torch.save(state, sink)
+        return sink.size
+
+    with atomic_file(path, size=size) as f:
+        torch.save(state, f)
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -101,6 +108,8 @@ def plot_curves(history: Sequence[dict[str, Any]], path: Path, title: str = "") 
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()  # rendered first: a full disk leaves no half-written PNG
+    fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
+    write_atomic(path, image.getvalue())
     return path

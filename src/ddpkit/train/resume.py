@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddpkit.errors import ConfigError
+from ddpkit.run_lock import LOCK_FILE
 from ddpkit.train import report
 from ddpkit.train.config import Config
 from ddpkit.train.report import CHECKPOINT_DIR
@@ -56,6 +57,31 @@ def find_run_dir(resume: str, out_dir: str | os.PathLike) -> Path:
         raise ConfigError(f"--resume: no run with checkpoints under {out}; "
                           "give the run directory: --resume runs/<name>")
     return newest[1]
+
+
+def run_to_continue(run_dir: Path) -> Path | None:
+    """What ``--run-dir R`` means: None to start a new run in R (missing or empty), R
+    itself when it holds a run that stopped before its end (a scheduler reruns the same
+    command line after a preemption: it continues), else one clear error."""
+    if not run_dir.exists():
+        return None
+    if not run_dir.is_dir():
+        raise ConfigError(f"--run-dir {run_dir} is a file, not a directory; give the path "
+                          "of a new directory (or of a run to continue)")
+    if not any(p.is_file() and p.name != LOCK_FILE for p in run_dir.rglob("*")):
+        return None  # nothing written yet (a start that failed early leaves empty folders)
+    if not (run_dir / report.CONFIG_FILE).is_file():
+        raise ConfigError(f"--run-dir {run_dir} already exists and holds files that are not a "
+                          "run of ddpkit train; choose a new directory")
+    if (run_dir / report.SUMMARY_FILE).exists():
+        raise ConfigError(f"--run-dir {run_dir} holds a finished run (its "
+                          f"{report.SUMMARY_FILE} is there); choose a new directory to train "
+                          "again")
+    if not _checkpoints(run_dir).checkpoints():
+        raise ConfigError(f"--run-dir {run_dir} holds a run that stopped before its first "
+                          "checkpoint, so there is nothing to continue; remove it or choose a "
+                          "new directory")
+    return run_dir
 
 
 def read_run_config(run_dir: Path) -> dict[str, Any]:

@@ -26,7 +26,11 @@ the same point:
   directory: model, optimizer, sampler position, per-rank RNG streams and the epoch's
   partial metric sums, so the rest of the run is the uninterrupted run, bit for bit;
 * each collective runs inside a :class:`Watchdog` guard, so a rank that stops arriving
-  turns into a :class:`HangError` naming it, the step and the collective.
+  turns into a :class:`HangError` naming it, the step and the collective;
+* a loss or weights that stop being finite end the run before anything is saved from
+  them (:mod:`ddpkit.train.divergence`), and a full disk ends it with one
+  :class:`~ddpkit.durable.DiskFullError`; the final weights are on disk before the
+  summary says the run is done.
 """
 
 from __future__ import annotations
@@ -48,14 +52,16 @@ import torch.nn.functional as F
 from ddpkit.checkpoint import Checkpointer, CheckpointError
 from ddpkit.data.datasets import ArrayDataset
 from ddpkit.data.partition import ShardBatch, ShardSampler
+from ddpkit.durable import DiskFullError, free_bytes, is_disk_full
 from ddpkit.errors import ConfigError
 from ddpkit.fault import PreemptionGuard, Watchdog
 from ddpkit.log import get_logger
 from ddpkit.loop import Run
 from ddpkit.parallel import data_parallel
 from ddpkit.parallel.sharded_state import state_bytes
+from ddpkit.run_lock import RunLock, held_for_us
 from ddpkit.shard_count import EXACT_THREADS
-from ddpkit.train import progress, recipe, report
+from ddpkit.train import divergence, progress, recipe, report
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums, gather_floats
 from ddpkit.train.resume import refuse_changed_config
@@ -164,6 +170,7 @@ class Trainer:
         self.loop = LoopState(sampler=self.sampler.state_dict())
         self.step_callbacks: list[Callable[[Trainer], None]] = []
         self.write = write
+        self._lock: RunLock | None = None  # rank 0's hold on the run directory
         run_dir = self._agree_on_run(run_dir)
         self.run_dir = Path(run_dir) if write else None
 
@@ -202,6 +209,8 @@ class Trainer:
                     tag = (f"{recipe.short_name(self.cfg.data.name)}-"
                            f"{recipe.short_name(self.cfg.model.name)}-w{self.world.world_size}")
                     proposal[0] = str(report.new_run_dir(self.cfg.train.out_dir, tag))
+                if not held_for_us(proposal[0]):  # no ddpkit launcher holds it for us
+                    self._lock = RunLock.acquire(proposal[0])
             except ConfigError as err:
                 proposal[2] = str(err)
             except OSError as err:
@@ -436,11 +445,34 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, Any]:
+        """Train to the last epoch (or to an agreed stop); returns the summary."""
+        try:
+            return self._fit()
+        except (DiskFullError, OSError) as err:
+            if not is_disk_full(err):
+                raise
+            raise self._disk_full(err) from None
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+
+    def _disk_full(self, err: BaseException) -> DiskFullError:
+        """``err`` as a DiskFullError that says how to go on from here."""
+        if not isinstance(err, DiskFullError):  # a raw ENOSPC from a log append
+            where = Path(getattr(err, "filename", None) or self.run_dir or ".")
+            err = DiskFullError(where, None, free_bytes(where))
+        if self.checkpointer is not None and self.write:
+            return err.with_advice(f"free some space there, then continue the run: "
+                                   f"ddpkit train --resume {self.run_dir}")
+        return err.with_advice("free some space there and start the run again")
+
+    def _fit(self) -> dict[str, Any]:
         t = self.cfg.train
         started = time.perf_counter()
+        self._main_writes(lambda: report.write_json(
+            self.run_dir / report.CONFIG_FILE,
+            {**self.cfg.to_dict(), "world_size": self.world.world_size}))
         if self.write and self.world.is_main:
-            report.write_json(self.run_dir / report.CONFIG_FILE,
-                              {**self.cfg.to_dict(), "world_size": self.world.world_size})
             log.info(f"run directory: {self.run_dir}")
             log.info(
                 f"{self.cfg.data.name} ({len(self.train_set)} train / {len(self.test_set)} test), "
@@ -455,6 +487,7 @@ class Trainer:
                 if self.preempted:
                     break
                 record.update(self.evaluate())
+                self._refuse_non_finite(record)
                 record["step"] = self.loop.step
                 record["time_s"] = time.perf_counter() - started
                 self.loop.history.append(record)
@@ -474,12 +507,8 @@ class Trainer:
                 log.warning(f"stopped by a signal at step {self.loop.step}; checkpoint saved; "
                             f"resume with: ddpkit train --resume {self.run_dir}")
             return summary
+        self._main_writes(lambda: self._write_results(summary))
         if self.write and self.world.is_main:
-            report.write_json(self.run_dir / report.SUMMARY_FILE, summary)
-            report.save_model(unwrap(self.model).state_dict(), self.run_dir / report.MODEL_FILE)
-            report.plot_curves(self.loop.history, self.run_dir / report.PLOT_FILE,
-                               title=f"{self.cfg.data.name} / {self.cfg.model.name}, "
-                                     f"{self.world.world_size} ranks")
             log.info(
                 f"done: test accuracy {100 * summary['final_test_acc']:.2f}% "
                 f"(best {100 * summary['best_test_acc']:.2f}%) after {summary['epochs']} epochs, "
@@ -487,9 +516,64 @@ class Trainer:
             )
         return summary
 
+    def _write_results(self, summary: dict[str, Any]) -> None:
+        # The weights first: a summary says the run is done, so it comes only once they
+        # are safely on disk.
+        report.save_model(unwrap(self.model).state_dict(), self.run_dir / report.MODEL_FILE)
+        report.write_json(self.run_dir / report.SUMMARY_FILE, summary)
+        report.plot_curves(self.loop.history, self.run_dir / report.PLOT_FILE,
+                           title=f"{self.cfg.data.name} / {self.cfg.model.name}, "
+                                 f"{self.world.world_size} ranks")
+
+    def _main_writes(self, write: Callable[[], None]) -> None:
+        """Rank 0 runs ``write`` (files of the run directory); every rank learns how it
+        went, so that a full disk there ends every rank with the same error rather than
+        leaving the others to find rank 0 gone in their next collective."""
+        if not self.write:
+            return
+        failure: BaseException | None = None
+        if self.world.is_main:
+            try:
+                write()
+            except Exception as err:
+                failure = self._disk_full(err) if is_disk_full(err) else err
+        if dist.is_initialized() and self.world.world_size > 1:
+            told = [failure if isinstance(failure, DiskFullError) or failure is None else
+                    CheckpointError(f"rank 0 failed writing to {self.run_dir} "
+                                    f"({type(failure).__name__}: {failure}); see its error")]
+            dist.broadcast_object_list(told, src=0)
+            if failure is None and told[0] is not None:
+                raise told[0]
+        if failure is not None:
+            raise failure
+
+    def _refuse_non_finite(self, record: dict[str, Any]) -> None:
+        """End the run at an epoch's end whose reduced loss is not finite (every rank sees
+        the same reduced numbers, so every rank stops here)."""
+        for split in ("train", "test"):
+            loss = record.get(f"{split}_loss")
+            if record.get(f"{split}_samples") and divergence.first_bad([loss]) is not None:
+                raise self._diverged(f"the {split} loss is {loss}")
+
+    def refuse_non_finite_state(self, rank_sums: list[list[float]]) -> None:
+        """Before a checkpoint: every rank's running sums of this epoch (``rank_sums``,
+        the same list on every rank) and the weights (equal on every rank) must be finite,
+        or the run ends without writing it."""
+        for rank, sums in enumerate(rank_sums):
+            bad = divergence.first_bad(sums[:1])
+            if bad is not None:
+                raise self._diverged(f"the training loss on rank {rank} is {bad}")
+        if not divergence.weights_finite(unwrap(self.model).parameters()):
+            raise self._diverged("the weights are no longer finite")
+
+    def _diverged(self, what: str) -> divergence.DivergedError:
+        last = self.checkpointer.checkpoints() if self.checkpointer is not None else []
+        return divergence.diverged(what, self.loop.step, self.loop.epoch + 1,
+                                   str(last[-1].path) if last else None, self.cfg.optim.lr)
+
     def _report_epoch(self, record: dict[str, Any]) -> None:
-        if self.write and self.world.is_main:
-            report.append_jsonl(self.run_dir / report.METRICS_FILE, record)
+        self._main_writes(lambda: report.append_jsonl(self.run_dir / report.METRICS_FILE,
+                                                      record))
         ranks = ", ".join(f"{v:.4f}" for v in record["rank_train_loss"])
         log.info(
             f"epoch {record['epoch']}/{self.cfg.train.epochs}: "
@@ -538,7 +622,9 @@ class _EpochSums:
 
     def state_dict(self) -> list[list[float]]:
         t = self.trainer  # a collective: the run saves on every rank
-        return _gather_lists(t._sums.values() if t._sums else [0.0, 0.0, 0.0], t.device)
+        sums = _gather_lists(t._sums.values() if t._sums else [0.0, 0.0, 0.0], t.device)
+        t.refuse_non_finite_state(sums)  # nothing non-finite is ever saved as good
+        return sums
 
     def load_state_dict(self, sums: list[list[float]]) -> None:
         t = self.trainer

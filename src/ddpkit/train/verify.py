@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from ddpkit.data.datasets import ArrayDataset
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
+from ddpkit.launcher_link import die_with_launcher
 from ddpkit.parallel.exact_sum import ExactMean
 from ddpkit.parallel.virtual_shards import shard_rng
 from ddpkit.runtime import distributed
@@ -272,4 +273,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    die_with_launcher()  # a killed launcher must not leave this process running headless
     exit_process(main())

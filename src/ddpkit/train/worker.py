@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpkit.fault import EXIT_PREEMPTED
+from ddpkit.launcher_link import die_with_launcher
 from ddpkit.runtime import distributed
 from ddpkit.train import inject
 from ddpkit.train.config import Config
@@ -100,4 +101,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    die_with_launcher()  # a killed launcher must not leave this process training headless
     exit_process(main())

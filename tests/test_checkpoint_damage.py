@@ -1,0 +1,68 @@
+"""Each kind of damage to the newest checkpoint is named in words that say what is wrong,
+the checkpoint is never used, and the newest one that verifies is; with every one
+damaged, each warning says truthfully what is left to fall back to."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+
+from chaos_harness import DAMAGES, damage_everything, words_for
+from ddpkit.checkpoint import Checkpointer
+
+
+@pytest.fixture
+def warnings_seen(caplog):
+    with caplog.at_level(logging.WARNING, logger="ddpkit"):
+        yield caplog
+
+
+def _three(tmp_path) -> Checkpointer:
+    ckpt = Checkpointer(tmp_path / "ck", keep=None)
+    for step in (10, 20, 30):
+        ckpt.save({"w": torch.full((64,), float(step)), "step": step}, step=step)
+    return ckpt
+
+
+@pytest.mark.parametrize("damage", DAMAGES, ids=[d.name for d in DAMAGES])
+def test_damaged_newest_checkpoint_is_named_and_never_used(tmp_path, warnings_seen, damage):
+    ckpt = _three(tmp_path)
+    damage.apply(ckpt.dir, 30, 20)
+    expected = 30 if not damage.falls_back else 20
+    assert ckpt.latest().step == expected
+    state = ckpt.load_latest()
+    assert torch.equal(state["w"], torch.full((64,), float(expected)))
+    lines = [r.getMessage() for r in warnings_seen.records]
+    if not damage.falls_back:
+        assert not [line for line in lines if "skipping" in line], lines
+        return
+    pattern = words_for(damage, ckpt.dir, 30, 20)
+    named = [line for line in lines if re.search(pattern, line)]
+    assert named, (pattern, lines)
+    assert all(line.endswith("falling back to step_000000020.pt (step 20)") for line in named)
+
+
+def test_every_checkpoint_damaged_says_what_is_left_at_each_one(tmp_path, warnings_seen):
+    ckpt = _three(tmp_path)
+    damage_everything(ckpt.dir)
+    assert ckpt.latest() is None and ckpt.load_latest() is None
+    lines = [r.getMessage() for r in warnings_seen.records if "skipping" in r.getMessage()]
+    endings = [line.rsplit("; ", 1)[1] for line in lines[:3]]
+    assert endings == ["the 2 older ones are damaged too", "the 1 older one is damaged too",
+                       "no older checkpoint to fall back to"], lines
+    assert all("truncated: 7 bytes, its manifest says" in line for line in lines[:3])
+
+
+def test_leftovers_of_damage_are_cleared_by_the_next_save(tmp_path):
+    ckpt = Checkpointer(tmp_path / "ck", keep=None)
+    for step in (10, 20, 30):
+        ckpt.save({"step": step}, step=step)
+    (ckpt.dir / "step_000000020.pt").unlink()  # a manifest left without its payload
+    (ckpt.dir / "step_000000030.json").write_text("{")  # an unreadable manifest
+    ckpt.save({"step": 40}, step=40)
+    names = sorted(p.name for p in ckpt.dir.iterdir())
+    assert names == ["step_000000010.json", "step_000000010.pt",
+                     "step_000000040.json", "step_000000040.pt"]
