@@ -105,7 +105,7 @@ def normalise(raw: dict, parent_env: dict[str, str], port: int) -> dict:
 
 
 CASES = {
-    # torchrun's own docs, seed 001's tutorial, and the spellings people copy from them.
+    # torchrun's own docs, PyTorch's DDP tutorial, and the spellings people copy from them.
     "standalone_underscores": ["--standalone", "--nproc_per_node=2", "probe.py", "a", "--b=1"],
     "module_role_elastic_range": ["--nproc-per-node", "2", "--nnodes", "1:1", "--role",
                                   "trainer", "-m", "probe", "x"],

@@ -21,7 +21,7 @@ choice open:
 ``ddpkit train``/``verify`` come in through :func:`launch` with :class:`LaunchOptions`,
 which become the same command line for the same agent. (Starting the workers without
 the agent on one node would save ~1.7 s of the main job's start-up, the launcher's own
-import of torch and the agent's monitor loop; we keep the real agent, as DESIGN.md asks:
+import of torch and the agent's monitor loop; we keep the real agent:
 nothing home-made where PyTorch has the part.)
 
 The launcher owns the terminal (``ddpkit.console``): rank 0 writes its

@@ -1,6 +1,6 @@
 """Checkpoint files: rank 0 writes atomically, every rank loads safely.
 
-Seeds 001/003 save on rank 0, barrier, and load with ``map_location``. This module makes
+PyTorch's DDP tutorials save on rank 0, barrier, and load with ``map_location``. This module makes
 that protocol trustworthy:
 
 * **Atomic, durable writes.** Rank 0 streams ``torch.save`` into a hidden temporary file
@@ -247,7 +247,7 @@ class Checkpointer:
                 self._rotate(keep_newest=path)
             except Exception as err:  # any failure must reach the other ranks, not hang them
                 outcome = _outcome(err, f"could not write checkpoint {path}: ")
-        # Doubles as the seeds' barrier: no rank goes on (or loads) before the commit.
+        # Doubles as the tutorials' barrier: no rank goes on (or loads) before the commit.
         _agree(*outcome)
         return path
 

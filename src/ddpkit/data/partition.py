@@ -1,6 +1,6 @@
 """Who reads which samples: the tutorial's DataPartitioner and a resumable ShardSampler.
 
-``DataPartitioner`` is seed 004's helper: shuffle the indices once with a seeded
+``DataPartitioner`` is the helper of PyTorch's distributed tutorial: shuffle the indices once with a seeded
 ``random.Random`` and cut them into fractional partitions; ``use(i)`` is a view.
 
 ``ShardSampler`` is what a data-parallel loop needs on top of that:
@@ -60,7 +60,7 @@ class Partition(torch.utils.data.Dataset):
 
 
 class DataPartitioner:
-    """Seed 004's partitioner: one seeded shuffle, then consecutive fractional cuts.
+    """The tutorial's partitioner: one seeded shuffle, then consecutive fractional cuts.
 
     ``sizes`` are fractions of the dataset (``[1 / W] * W`` for W ranks); a fraction's
     partition has ``int(frac * len(data))`` samples, as in the tutorial, so a remainder
