@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import ddpkit
 from compat_scripts import scripts
-from ddpkit.errors import ConfigError
+from ddpkit.errors import DdpkitError
 
 
 def run_scripts(world, names):
@@ -46,7 +46,7 @@ def test_torch_ddp_scripts_give_bit_identical_parameters(pools):
 def _one_line_error(fn) -> str:
     try:
         fn()
-    except ConfigError as exc:
+    except DdpkitError as exc:
         return str(exc)
     return "no error"
 

@@ -26,23 +26,34 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.utils import _to_kwargs
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from ddpkit import lifetime
-from ddpkit.errors import ConfigError
+from ddpkit.errors import ConfigError, ConfigTypeError, UsageError
 from ddpkit.parallel import sharded_state, torch_compat, transport
-from ddpkit.parallel.buckets import Allocator, size_limits
-from ddpkit.parallel.join_state import TorchJoinHook
+from ddpkit.parallel.buckets import MIB, Allocator, size_limits
+from ddpkit.parallel.ddp_logging import LoggingData
+from ddpkit.parallel.ddp_pickle import LazyTransport, pickled_state
+from ddpkit.parallel.join_state import ModelJoin, TorchJoinHook
 from ddpkit.parallel.reducer import CommHook, Reducer
 from ddpkit.parallel.scatter_reducer import ScatterReducer
 from ddpkit.parallel.sharding import Sharding, agree_on_mode, check_mode
+from ddpkit.parallel.sparse_grads import SparseReducer, sparse_parameters
 from ddpkit.parallel.state_sync import broadcast_coalesced, verify_same_layout
+
+# torch DDP's: buffers and parameters are broadcast in messages of at most this size.
+BROADCAST_BUCKET_BYTES = 250 * MIB
+# Where torch's _set_params_and_buffers_to_ignore_for_model leaves the names to skip.
+IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 
 
 def _allocator_from(comm_state: object, default: Allocator) -> Allocator:
@@ -80,14 +91,22 @@ class DataParallel(nn.Module, Joinable):
       matters for multi-device scatter, which DDP no longer does), ``broadcast_buffers`` /
       ``forward_sync_buffers``, ``init_sync`` (False: no layout check and no initial
       broadcast), ``process_group`` (= ``group``), ``bucket_cap_mb`` (None: 25),
-      ``find_unused_parameters``;
+      ``find_unused_parameters``, ``static_graph`` (unused parameters are found in the
+      first backward and expected to stay unused, no per-step detection afterwards);
     * accepted with nothing to do: ``check_reduction`` (deprecated in torch),
       ``gradient_as_bucket_view`` (``.grad`` is always a view into its bucket here; the
-      numbers are the same either way), ``static_graph`` (a hint for torch's reducer; ours
-      needs none), ``batched_grad_copy`` (a copy strategy; same numbers);
+      numbers are the same either way), ``batched_grad_copy`` (a copy strategy; same
+      numbers);
     * refused, one line each: ``device_mesh``, ``delay_all_reduce_named_params``,
       ``param_to_hook_all_reduce``, ``mixed_precision``,
       ``skip_all_reduce_unused_params=True``, ``bucket_cap_mb_list``.
+
+    Its methods and attributes are torch DDP's (``no_sync``, ``join``, ``join_hook``,
+    ``register_comm_hook``, ``will_sync_module_buffers``, ``process_group``,
+    ``require_backward_grad_sync``, ...; docs/ddp-engine.md has the full table), it
+    pickles and deep-copies like torch's (:mod:`ddpkit.parallel.ddp_pickle`), reduces
+    sparse embedding gradients (:mod:`ddpkit.parallel.sparse_grads`), and its errors are
+    torch's exception types with ddpkit's messages.
 
     ddpkit's own options (keyword-only):
 
@@ -101,7 +120,8 @@ class DataParallel(nn.Module, Joinable):
             there and the sum runs in place), or a comm hook (same as ``comm_hook=``).
         bucket_cap_mb: size cap of a gradient bucket in MiB (the first bucket is capped at
             ``first_bucket_cap_mb``, default ``min(1, bucket_cap_mb)``).
-        broadcast_buffers: copy rank 0's buffers to every rank before each forward.
+        broadcast_buffers: copy rank 0's buffers to every rank before each forward that
+            follows a synchronized one (torch's rule, ``require_forward_param_sync``).
         find_unused_parameters: allow parameters that get no gradient in a backward;
             without it such a parameter raises an error naming it.
         comm_hook: ``hook(state, bucket) -> Future[Tensor]`` replacing the all-reduce of a
@@ -160,14 +180,16 @@ class DataParallel(nn.Module, Joinable):
             )
         if isinstance(module, DataParallel):
             raise ConfigError("module is already a DataParallel; wrap the plain model once")
-        # torch's arguments first: dim, check_reduction, gradient_as_bucket_view,
-        # static_graph and batched_grad_copy need nothing here (see the class docstring).
+        # torch's arguments first: dim, check_reduction, gradient_as_bucket_view and
+        # batched_grad_copy need nothing here (see the class docstring).
         self.device_ids = None if device_ids is None else list(device_ids)
         self._input_device = torch_compat.single_device(module, device_ids, output_device)
         self.output_device = self._input_device
         self.dim = dim
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.batched_grad_copy = batched_grad_copy
+        self.bucket_bytes_cap_default = bucket_cap_mb is None
         settings = torch_compat.engine_settings(
             broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers,
             process_group=process_group, group=group, bucket_cap_mb=bucket_cap_mb,
@@ -175,11 +197,10 @@ class DataParallel(nn.Module, Joinable):
             param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
             device_mesh=device_mesh, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             bucket_cap_mb_list=bucket_cap_mb_list)
-        broadcast_buffers = settings["broadcast_buffers"]
         group = settings["group"]
         bucket_cap_mb = settings["bucket_cap_mb"]
         if comm_hook is not None and not callable(comm_hook):
-            raise ConfigError(
+            raise ConfigTypeError(
                 f"comm_hook must be callable as hook(state, bucket), got {comm_hook!r}")
         if callable(comm):
             if comm_hook is not None:
@@ -203,51 +224,132 @@ class DataParallel(nn.Module, Joinable):
             raise ConfigError(
                 f"initial_bucketing must be 'reverse' or 'single', got {initial_bucketing!r}")
         self.module = module
+        self.forward_sync_buffers = settings["broadcast_buffers"]
+        self.find_unused_parameters = find_unused_parameters
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.bucket_bytes_cap = int(bucket_cap_mb * MIB)
+        self.broadcast_bucket_size = BROADCAST_BUCKET_BYTES
+        self.mixed_precision = None
+        self.skip_all_reduce_unused_params = False
+        self.use_side_stream_for_tensor_copies = False  # CPU copies; no stream to use
+        self.parameters_to_ignore = set(getattr(module, IGNORE_ATTRIBUTE, ()))
+        # ddpkit's options, kept so that a pickled copy builds the same engine
+        self._engine_options = {"comm": comm, "comm_hook": comm_hook, "comm_state": comm_state,
+                                "limits": limits, "initial_bucketing": initial_bucketing}
+        self._attach(group)
+        if init_sync:
+            named_params = self._named_parameters()
+            verify_same_layout(named_params, self.named_module_buffers, group)
+            # Rank 0's initial state wins, so replicas start identical whatever seeds were used.
+            broadcast_coalesced(
+                [p.detach() for _, p in named_params] + self.modules_buffers, 0, group)
+        self._build_engine(lazy=False)
+
+    # -- construction, also run when a pickled copy is loaded ------------------------------
+
+    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters()
+                if n not in self.parameters_to_ignore]
+
+    def _attach(self, group: dist.ProcessGroup | None) -> None:
+        """The process group and what follows from it and the module (no communication)."""
         self.group = group
         # torch's gloo threads must be joined before the interpreter finalizes: destroy
         # the default group at exit if the program does not (ddpkit.lifetime).
         lifetime.destroy_default_group_at_exit()
+        self.process_group = group if group is not None else _default_group()
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.broadcast_buffers = broadcast_buffers
-        self.find_unused_parameters = find_unused_parameters
-        self.require_backward_grad_sync = True
-        self._sharding: Sharding | None = None
+        self._sharding: Sharding | None = None  # built with the engine
         self._join_state = None  # set by ddpkit.join while its context is open
         self._torch_join_state = None  # set by torch's Join through join_hook()
+        self.named_module_buffers = [(n, b) for n, b in self.module.named_buffers()
+                                     if n not in self.parameters_to_ignore]
+        self.modules_buffers = [b for _, b in self.named_module_buffers]
+        self._buffers_to_sync = self.modules_buffers
+        devices = {p.device for p in self.module.parameters()}
+        self.is_multi_device_module = len(devices) > 1
+        self.device = next(iter(self.module.parameters())).device if devices else None
+        self.device_type = self.device.type if self.device is not None else "cpu"
 
-        named_params = list(module.named_parameters())
-        named_buffers = list(module.named_buffers())
-        if init_sync:
-            verify_same_layout(named_params, named_buffers, group)
-            # Rank 0's initial state wins, so replicas start identical whatever seeds were used.
-            broadcast_coalesced(
-                [p.detach() for _, p in named_params] + [b for _, b in named_buffers], 0, group)
-        self._buffers_to_sync = [b for _, b in named_buffers]
-        trainable = [(n, p) for n, p in named_params if p.requires_grad]
+    def _build_engine(self, *, lazy: bool) -> None:
+        """Reducer(s), transport and logging data for the trainable parameters."""
+        options = self._engine_options
+        trainable = [(n, p) for n, p in self._named_parameters() if p.requires_grad]
         if not trainable:
-            raise ConfigError("DataParallel: the module has no parameter that requires grad")
+            raise UsageError(
+                "DistributedDataParallel is not needed when a module doesn't have any "
+                "parameter that requires a gradient (DataParallel: nothing to reduce; set "
+                "requires_grad on the parameters to train, or do not wrap the module)")
+        sparse_ids = sparse_parameters(self.module)
+        dense = [(n, p) for n, p in trainable if id(p) not in sparse_ids]
+        sparse = [(n, p) for n, p in trainable if id(p) in sparse_ids]
+        if sparse and self.shard != "none":
+            raise ConfigError(f"shard={self.shard!r} needs dense gradients; {sparse[0][0]} has "
+                              "sparse ones (nn.Embedding(sparse=True)): use shard='none'")
+        comm_hook, comm_state = options["comm_hook"], options["comm_state"]
         # A hook reduces the buckets itself: "auto" then keeps them in private memory.
-        wanted = "backend" if comm_hook is not None else comm
-        self.transport = transport.build(
-            wanted, sorted({p.device.type for _, p in trainable}), group)
-        self.comm = self.transport.name
+        wanted = "backend" if comm_hook is not None else options["comm"]
+        device_types = sorted({p.device.type for _, p in trainable})
+        group = self.group
+        if lazy and wanted in ("auto", "shm") and device_types == ["cpu"]:
+            self.transport = LazyTransport(lambda: transport.build(wanted, device_types, group))
+            allocate = self.transport.allocate
+        else:
+            self.transport = transport.build(wanted, device_types, group)
+            allocate = _allocator_from(comm_state, self.transport.allocate)
         reducer_class = ScatterReducer if self.shard == "gradients" else Reducer
         self.reducer = reducer_class(
-            [p for _, p in trainable],
-            [n for n, _ in trainable],
-            group,
-            limits_bytes=limits,
-            find_unused_parameters=find_unused_parameters,
-            comm_hook=comm_hook,
-            comm_state=comm_state,
-            allocate=_allocator_from(comm_state, self.transport.allocate),
-            initial_bucketing=initial_bucketing,
-            transport=self.transport,
+            [p for _, p in dense], [n for n, _ in dense], group,
+            limits_bytes=options["limits"],
+            find_unused_parameters=self.find_unused_parameters,
+            comm_hook=comm_hook, comm_state=comm_state, allocate=allocate,
+            initial_bucketing=options["initial_bucketing"], transport=self.transport,
+            static_graph=self.static_graph,
         )
-        agree_on_mode(self.shard, group)
-        self._sharding = (None if self.shard == "none"
-                          else Sharding(self.shard, self.reducer, self.transport, group))
+        if self.shard != "none":
+            if not lazy:  # a loaded copy was checked when it was saved
+                agree_on_mode(self.shard, group)
+            self._sharding = Sharding(self.shard, self.reducer, self.transport, group)
+        self.sparse = None
+        if sparse:
+            self.sparse = SparseReducer([p for _, p in sparse], [n for n, _ in sparse], group,
+                                        self.reducer if dense else None,
+                                        len(self.reducer.buckets))
+            self.sparse.comm_hook, self.sparse.comm_state = comm_hook, comm_state
+        self._logging = LoggingData(self, [p for _, p in trainable], self.bucket_bytes_cap)
+        self._logging.set_bucket_sizes(
+            [b.numel * b.buffer.element_size() for b in self.reducer.buckets]
+            + [p.numel() * p.element_size() for _, p in sparse])
+        self.reducer.on_event = self._logging.on_event
+
+    def __getstate__(self) -> dict:
+        return pickled_state(self)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._attach(None)
+        self._build_engine(lazy=True)
+
+    @property
+    def comm(self) -> str:
+        """The transport the buckets go through ("shm", "backend", "ring")."""
+        return self.transport.name
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def _raise(self, error: Exception) -> NoReturn:
+        """Raise ``error``, recorded first in the logging data (as torch logs its own)."""
+        self._logging.error(next(t for t in type(error).__mro__
+                                 if t.__module__ == "builtins"), str(error))
+        raise error
 
     # -- forward -------------------------------------------------------------------------
 
@@ -258,7 +360,10 @@ class DataParallel(nn.Module, Joinable):
             self._before_forward()
         if self._input_device is not None:
             args, kwargs = torch_compat.move_inputs(self._input_device, args, kwargs)
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if self.reducer.armed:
+            self._logging.forward_end()
+        return output
 
     def _before_forward(self) -> None:
         if self._sharding is not None:
@@ -275,32 +380,52 @@ class DataParallel(nn.Module, Joinable):
         src, divisor = 0, self.world_size
         if self._join_state is not None:
             active, sync = self._join_state.exchange(self, active=True, sync=sync)
-            src = min(active)
+            src = max(active)  # torch's choice: the highest rank still training
             divisor = self._join_state.divisor(len(active))
         if sync:
+            self._logging.forward_start(self.reducer)
             self.reducer.maybe_rebuild(src)
-        self._sync_buffers(src)
-        if sync:
-            self.reducer.arm(divisor)
-        else:
-            self.reducer.disarm()
+        self._forward_buffers(src, sync)
+        for reducer in self._reducers():
+            if sync:
+                reducer.arm(divisor)
+            else:
+                reducer.disarm()
+
+    def _reducers(self) -> list:
+        return [self.reducer] if self.sparse is None else [self.reducer, self.sparse]
+
+    def _forward_buffers(self, src: int, sync: bool) -> None:
+        """torch's rule: buffers are synchronized before a forward that follows a
+        synchronized forward (or the first one), so a ``no_sync`` or ``no_grad`` forward
+        makes the next forward skip the broadcast."""
+        if self.will_sync_module_buffers():
+            self._sync_buffers(src)
+        self.require_forward_param_sync = sync
 
     def _sync_buffers(self, src: int) -> None:
         # Through the transport: the shared segment under comm="shm" (no backend call in
         # a steady-state step), torch's broadcast otherwise.
-        if self.broadcast_buffers and self._buffers_to_sync and self.world_size > 1:
+        if self.world_size > 1:
             self.transport.broadcast(self._buffers_to_sync, src, every_step=True)
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers (torch's method)."""
+        return (self.require_forward_param_sync and self.forward_sync_buffers
+                and len(self.modules_buffers) > 0)
 
     # -- join ----------------------------------------------------------------------------
 
     def _shadow_iteration(self, active: list[int], sync: bool, divisor: int) -> None:
         """Issue the collectives one forward+backward on the active ranks will issue."""
-        src = min(active)
+        src = max(active)
         if sync:
             self.reducer.maybe_rebuild(src)
-        self._sync_buffers(src)
+        self._forward_buffers(src, sync)
         if sync:
             self.reducer.shadow_backward(divisor)
+            if self.sparse is not None:
+                self.sparse.shadow_backward(divisor)
 
     def _sync_final_state(self, src: int) -> None:
         """After join: ranks that stopped early take the last trainer's parameters."""
@@ -311,7 +436,15 @@ class DataParallel(nn.Module, Joinable):
     # same shadowing as ddpkit.join (see ddpkit.parallel.join_state.TorchJoinHook).
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        self._logging.set("join_uneven_inputs", 1)
         return TorchJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """torch DDP's method: ``with model.join(): ...`` lets ranks with fewer batches
+        leave their loop early (torch's ``Join`` over this model; see ddpkit.join)."""
+        return ModelJoin([self], enable, throw_on_early_termination,
+                         divide_by_initial_world_size=divide_by_initial_world_size)
 
     @property
     def join_device(self) -> torch.device:
@@ -319,7 +452,7 @@ class DataParallel(nn.Module, Joinable):
 
     @property
     def join_process_group(self) -> Any:
-        return self.group if self.group is not None else dist.group.WORLD
+        return self.process_group
 
     # -- user API ------------------------------------------------------------------------
 
@@ -327,24 +460,39 @@ class DataParallel(nn.Module, Joinable):
         """torch DDP's API: reduce each bucket with ``hook(state, bucket)`` from now on.
 
         torch's own hooks (``default_hooks.allreduce_hook``, ``fp16_compress_hook``,
-        ``powerSGD_hook`` with a ``PowerSGDState``) run unchanged. Register before the
-        first forward, as with torch.
+        ``powerSGD_hook`` with a ``PowerSGDState``) run unchanged. Register once, before
+        the first forward, as with torch.
         """
         if not callable(hook):
-            raise ConfigError(f"register_comm_hook: hook must be callable as hook(state, "
-                              f"bucket), got {hook!r}")
+            self._raise(ConfigTypeError(
+                f"register_comm_hook: hook must be callable as hook(state, bucket), got "
+                f"{hook!r} (torch: Communication hook must be callable.)"))
         if self.reducer.comm_hook is not None:
-            raise ConfigError("register_comm_hook: a comm hook is already registered; "
-                              "register it once, before the first forward")
+            self._raise(UsageError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once; "
+                "a comm hook is already registered on this DataParallel"))
         if self.reducer.synced_iterations:
-            raise ConfigError("register_comm_hook: call it before the first forward/backward "
-                              "(torch DDP has the same rule)")
+            self._raise(UsageError(
+                "register_comm_hook: call it before the first forward/backward "
+                "(torch DDP has the same rule)"))
         # Hooks such as PowerSGD keep per-bucket state keyed by bucket index, so the same
         # buckets as torch DDP's give the same numbers: its layout until the first rebuild.
         self.reducer.use_single_initial_bucket()
-        self.reducer.comm_hook = hook
-        self.reducer.comm_state = state
+        for reducer in self._reducers():
+            reducer.comm_hook = hook
+            reducer.comm_state = state
+        self._logging.set("comm_hook", getattr(hook, "__qualname__", repr(hook)))
 
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's built-in hooks by type: ALLREDUCE and FP16_COMPRESS."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hooks = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                 dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+        if comm_hook_type not in hooks:
+            self._raise(ConfigError(f"unknown built-in comm hook {comm_hook_type!r}"))
+        self.register_comm_hook(self.process_group, hooks[comm_hook_type])
+        self._logging.set("comm_hook", str(comm_hook_type))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -358,6 +506,23 @@ class DataParallel(nn.Module, Joinable):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
+        """torch DDP's method (torch's scatter_kwargs along ``dim``)."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def to_kwargs(self, inputs: Any, kwargs: Any, device_id: Any) -> Any:
+        """torch DDP's method: ``inputs`` and ``kwargs`` moved to ``device_id``."""
+        return _to_kwargs(inputs, kwargs, torch.device(self.device_type, device_id),
+                          self.use_side_stream_for_tensor_copies)
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        """torch DDP's method (torch's gather along ``dim``)."""
+        return gather(outputs, output_device, dim=self.dim)
+
+    def train(self, mode: bool = True) -> DataParallel:
+        super().train(mode)
+        return self
 
     # -- sharding (shard="optimizer" | "gradients"); plain pass-throughs with "none" -------
 
@@ -442,11 +607,54 @@ class DataParallel(nn.Module, Joinable):
         """Parameter names per gradient bucket, in the order buckets are reduced."""
         return self.reducer.bucket_sizes()
 
+    # -- torch DDP's private debugging API (used by tools and by torch's own tests) -------
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+            module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """Names (``"layer.weight"``) that DataParallel neither broadcasts nor reduces."""
+        setattr(module, IGNORE_ATTRIBUTE, list(params_and_buffers_to_ignore))
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch DDP's logging dictionary (see :mod:`ddpkit.parallel.ddp_logging`)."""
+        return self._logging.snapshot()
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        if sample_rate < 1:
+            self._raise(ConfigError(
+                "DDP runtime logging sample rate should be equal or greater than 1"))
+        self._logging.set_sample_rate(sample_rate)
+
+    def _set_static_graph(self) -> None:
+        """Mark the graph static after construction (prefer ``static_graph=True``)."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.",
+                          stacklevel=2)
+            return
+        if self._logging.iterations:
+            self._raise(UsageError(
+                "_set_static_graph() should be called before training loop starts and after "
+                "DataParallel is constructed; pass static_graph=True to the constructor"))
+        self.static_graph = True
+        self.reducer.static_graph = True
+        if self.find_unused_parameters:
+            warnings.warn(
+                "find_unused_parameters=True is not needed with _set_static_graph(): unused "
+                "parameters are found automatically (they must stay unused)", stacklevel=2)
+
+    @property
+    def _distributed_rank(self) -> int:
+        return dist.get_rank(self.process_group)
+
     def extra_repr(self) -> str:
         sizes = [sum(self.reducer.params[i].numel() for i in b.param_indices)
                  for b in self.reducer.buckets]
         return (f"world_size={self.world_size}, comm={self.comm}, shard={self.shard}, "
                 f"buckets={len(sizes)} (numel {sizes})")
+
+
+def _default_group() -> dist.ProcessGroup:
+    return dist.distributed_c10d._get_default_group()
 
 
 # Collectives and Python-side bookkeeping: under torch.compile they run eagerly (a graph
