@@ -65,6 +65,8 @@ LAYERS = {
     "test_train_resume.py": MULTIPROCESS,
     "test_verify.py": MULTIPROCESS,
     "test_zero.py": MULTIPROCESS,
+    "test_torch_ddp_suite.py": MULTIPROCESS,
+    "test_torch_collective_suite.py": MULTIPROCESS,
     "test_comm_bench.py": E2E,
     "test_ddp_examples.py": E2E,
     "test_docs.py": E2E,
@@ -173,6 +175,11 @@ SLOW = {
                      "test_an_unsharded_checkpoint_continues_sharded_and_the_reverse_is_one_line",
                      "test_sharded_training_is_bit_identical_to_unsharded[3-auto]",
                      "test_sharded_training_is_bit_identical_to_unsharded[3-backend]"},
+    # torch's own suites: each worker imports torch's test module once (seconds).
+    "test_torch_ddp_suite.py": {"test_torch_ddp_test_passes_with_ddpkit",
+                                "test_census_every_cpu_ddp_test_of_torch_is_in_the_suite"},
+    "test_torch_collective_suite.py": {"test_torch_collective_test_passes_with_ddpkit_comm",
+                                       "test_census_every_cpu_collective_test_is_in_the_suite"},
     # 1.4 s, nearly all of it the first import of torch._dynamo (by torch.optim.SGD).
     "test_train_resume.py": {"test_workers_refuse_a_checkpoint_written_with_other_settings"},
 }
