@@ -104,6 +104,8 @@ SLOW = {
                                   "test_leaders_group_is_made_when_ranks_hold_different_groups",
                                   "test_public_door_is_hierarchical_not_a_silent_backend_fallback"},
     "test_compat_ddp.py": {"test_torch_compile_of_the_wrapped_model_trains_like_torch_ddp",
+                           "test_torch_ddp_scripts_at_three_ranks_with_defaults_agree_to_rounding",
+                           "test_misuse_raises_torchs_exception_type_with_ddpkits_message[3]",
                            "test_torch_ddp_scripts_give_bit_identical_parameters"},
     "test_ddp.py": {"test_uneven_inputs_without_join_time_out_with_an_error",
                     "test_three_ranks_equal_one_process"},

@@ -460,8 +460,8 @@ class DataParallel(nn.Module, Joinable):
         """torch DDP's API: reduce each bucket with ``hook(state, bucket)`` from now on.
 
         torch's own hooks (``default_hooks.allreduce_hook``, ``fp16_compress_hook``,
-        ``powerSGD_hook`` with a ``PowerSGDState``) run unchanged. Register once, before
-        the first forward, as with torch.
+        ``powerSGD_hook`` with a ``PowerSGDState``) run unchanged. Register once (torch's
+        rule); usually before the first forward, but later works too, as with torch.
         """
         if not callable(hook):
             self._raise(ConfigTypeError(
@@ -471,13 +471,11 @@ class DataParallel(nn.Module, Joinable):
             self._raise(UsageError(
                 "register_comm_hook or register_builtin_comm_hook can only be called once; "
                 "a comm hook is already registered on this DataParallel"))
-        if self.reducer.synced_iterations:
-            self._raise(UsageError(
-                "register_comm_hook: call it before the first forward/backward "
-                "(torch DDP has the same rule)"))
-        # Hooks such as PowerSGD keep per-bucket state keyed by bucket index, so the same
-        # buckets as torch DDP's give the same numbers: its layout until the first rebuild.
-        self.reducer.use_single_initial_bucket()
+        if not self.reducer.synced_iterations:
+            # Hooks such as PowerSGD keep per-bucket state keyed by bucket index, so the
+            # same buckets as torch DDP's give the same numbers: its layout until the
+            # first rebuild. (Registered later, the hook gets the buckets as they are.)
+            self.reducer.use_single_initial_bucket()
         for reducer in self._reducers():
             reducer.comm_hook = hook
             reducer.comm_state = state

@@ -171,7 +171,8 @@ class Reducer:
         return [[self.names[i] for i in b.param_indices] for b in self.buckets]
 
     def maybe_rebuild(self, src: int) -> None:
-        """Once, after the first synchronized backward: re-bucket by the observed order.
+        """Once, after the first synchronized backward (the second under a static graph):
+        re-bucket by the observed order.
 
         The order every rank uses is the one rank ``src`` (a group rank) observed: ranks
         may see gradients arrive in slightly different orders, and their buckets must be
@@ -179,7 +180,7 @@ class Reducer:
         iteration on every rank (the forward after the first synchronized backward),
         including ranks that shadow the others under join.
         """
-        if self.rebuilt or self.synced_iterations == 0 or self.find_unused:
+        if self.rebuilt or self.synced_iterations <= self._order_iteration or self.find_unused:
             return
         self.rebuilt = True
         order = torch.zeros(len(self.params), dtype=torch.int64, device=self._comm_device())
@@ -221,7 +222,7 @@ class Reducer:
             bucket.work = None
         self.next_to_launch = 0
         self.callback_queued = False
-        if self.synced_iterations == 0:
+        if self.synced_iterations == self._order_iteration:
             self.ready_order = []
 
     def disarm(self) -> None:
@@ -232,6 +233,13 @@ class Reducer:
             self._on_grad_ready(index, param)
 
         return hook
+
+    @property
+    def _order_iteration(self) -> int:
+        """The synchronized backward whose gradient order the rebuild follows: the first,
+        or under a static graph the second (torch's static graph reduces the whole first
+        backward at its end, so its order says nothing)."""
+        return 1 if self.static_graph else 0
 
     @property
     def detects_unused(self) -> bool:
@@ -290,7 +298,7 @@ class Reducer:
     def _count_ready(self, i: int) -> None:
         """Bookkeeping once parameter ``i``'s gradient is in its bucket."""
         self.ready[i] = True
-        if self.synced_iterations == 0:
+        if self.synced_iterations == self._order_iteration:
             self.ready_order.append(i)
         self.buckets[self.bucket_of[i]].pending -= 1
 
