@@ -51,6 +51,7 @@ LAYERS = {
     "test_comm_hierarchical.py": MULTIPROCESS,
     "test_comm_torch_convention.py": MULTIPROCESS,
     "test_compat_ddp.py": MULTIPROCESS,
+    "test_compat_table.py": MULTIPROCESS,
     "test_ddp.py": MULTIPROCESS,
     "test_ddp_comm.py": MULTIPROCESS,
     "test_ddp_steady_state.py": MULTIPROCESS,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -232,7 +233,9 @@ class DataParallel(nn.Module, Joinable):
         self.broadcast_bucket_size = BROADCAST_BUCKET_BYTES
         self.mixed_precision = None
         self.skip_all_reduce_unused_params = False
-        self.use_side_stream_for_tensor_copies = False  # CPU copies; no stream to use
+        # torch's switch for to_kwargs' copies to an accelerator (read the same way)
+        self.use_side_stream_for_tensor_copies = (
+            os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1")
         self.parameters_to_ignore = set(getattr(module, IGNORE_ATTRIBUTE, ()))
         # ddpkit's options, kept so that a pickled copy builds the same engine
         self._engine_options = {"comm": comm, "comm_hook": comm_hook, "comm_state": comm_state,
