@@ -55,10 +55,8 @@ CENSUS_SKIP = ("test_barrier_timeout_global", "test_barrier_timeout_full_group")
 
 @pytest.mark.parametrize("name", COLLECTIVE_TESTS)
 def test_torch_collective_test_passes_with_ddpkit_comm(pools, tmp_path, name):
-    for rank, (outcome, detail, calls) in enumerate(
-            pools(WORLD_SIZE).run(torch_suite.run, name, "comm", str(tmp_path))):
-        assert outcome == "pass", f"{name} on rank {rank}: {outcome}\n{detail}"
-        assert calls, f"{name} passed on rank {rank} without calling ddpkit.comm"
+    results = pools(WORLD_SIZE).run(torch_suite.run, name, "comm", str(tmp_path))
+    torch_suite.check_passed(results, name, "calling ddpkit.comm")
 
 
 def test_census_every_cpu_collective_test_is_in_the_suite(pools, tmp_path):
@@ -66,12 +64,5 @@ def test_census_every_cpu_collective_test_is_in_the_suite(pools, tmp_path):
         pytest.skip("the census is of the tests that run without a GPU")
     results = pools(WORLD_SIZE).run(torch_suite.census, PREFIXES, None, CENSUS_SKIP,
                                     str(tmp_path), timeout=300)
-    names = set(results[0]) | set(CENSUS_SKIP)
-    assert set(COLLECTIVE_TESTS) <= names, sorted(set(COLLECTIVE_TESTS) - names)
-    ran = {n for n in results[0] if any(r[n][0] != "skip" for r in results)}
-    ran |= set(CENSUS_SKIP)  # gloo runs them on CPU (see EXCLUDED)
-    assert ran == set(COLLECTIVE_TESTS) | set(EXCLUDED), (
-        f"run on CPU but not listed: {sorted(ran - set(COLLECTIVE_TESTS) - set(EXCLUDED))}; "
-        f"listed but skipped: {sorted((set(COLLECTIVE_TESTS) | set(EXCLUDED)) - ran)}")
-    failed = {n: r[n][:2] for r in results for n in results[0] if r[n][0] == "fail"}
-    assert not failed, f"torch's own functions fail: {failed}"
+    # gloo runs the CENSUS_SKIP tests on CPU (see EXCLUDED for why they are not run)
+    torch_suite.check_census(results, COLLECTIVE_TESTS, EXCLUDED, not_run=CENSUS_SKIP)

@@ -35,10 +35,8 @@ EXCLUDED: dict[str, str] = {}
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("name", DDP_TESTS)
 def test_torch_ddp_test_passes_with_ddpkit(pools, tmp_path, name, world_size):
-    for rank, (outcome, detail, built) in enumerate(
-            pools(world_size).run(torch_suite.run, name, "ddpkit", str(tmp_path))):
-        assert outcome == "pass", f"{name} on rank {rank} of {world_size}: {outcome}\n{detail}"
-        assert built, f"{name} passed without building a ddpkit.DataParallel"
+    results = pools(world_size).run(torch_suite.run, name, "ddpkit", str(tmp_path))
+    torch_suite.check_passed(results, name, "building a ddpkit.DataParallel")
 
 
 def test_census_every_cpu_ddp_test_of_torch_is_in_the_suite(pools, tmp_path):
@@ -47,11 +45,4 @@ def test_census_every_cpu_ddp_test_of_torch_is_in_the_suite(pools, tmp_path):
         pytest.skip("the census is of the tests that run without a GPU")
     results = pools(2).run(torch_suite.census, (), "DistributedDataParallel", (),
                            str(tmp_path), timeout=300)
-    names = list(results[0])
-    assert set(DDP_TESTS) <= set(names), sorted(set(DDP_TESTS) - set(names))
-    ran = {n for n in names if any(r[n][0] != "skip" for r in results)}
-    assert ran == set(DDP_TESTS) | set(EXCLUDED), (
-        f"run on CPU but not in DDP_TESTS: {sorted(ran - set(DDP_TESTS) - set(EXCLUDED))}; "
-        f"listed but skipped: {sorted(set(DDP_TESTS) - ran)}")
-    failed = {n: r[n] for r in results for n in ran if r[n][0] != "pass"}
-    assert not failed, f"torch's own class fails: {failed}"
+    torch_suite.check_census(results, DDP_TESTS, EXCLUDED)

@@ -250,3 +250,24 @@ def run_many(world, names: list[str], engine: str, temp_dir: str) -> dict[str, t
     for i, name in enumerate(names):
         out[name] = run(world, name, engine, os.path.join(temp_dir, str(i)))
     return out
+
+
+def check_passed(results: list[tuple], name: str, reached: str) -> None:
+    """Assert :func:`run`'s per-rank results: passed everywhere, having reached ddpkit."""
+    for rank, (outcome, detail, uses) in enumerate(results):
+        assert outcome == "pass", f"{name} on rank {rank} of {len(results)}: {outcome}\n{detail}"
+        assert uses, f"{name} passed on rank {rank} without {reached}"
+
+
+def check_census(results: list[dict], selected, excluded, not_run=()) -> None:
+    """Assert :func:`census`'s per-rank results: with torch's own class and functions,
+    exactly ``selected`` and ``excluded`` run here (``not_run``: known to run, kept out
+    of the census) and pass; every other test skipped."""
+    names = set(results[0]) | set(not_run)
+    expected = set(selected) | set(excluded)
+    assert set(selected) <= names, sorted(set(selected) - names)
+    ran = {n for n in results[0] if any(r[n][0] != "skip" for r in results)} | set(not_run)
+    assert ran == expected, (f"run here but not listed: {sorted(ran - expected)}; "
+                             f"listed but skipped: {sorted(expected - ran)}")
+    failed = {n: r[n][:2] for r in results for n in results[0] if r[n][0] == "fail"}
+    assert not failed, f"torch's own code fails: {failed}"

@@ -271,6 +271,33 @@ def hook_powersgd(DDP):
     return _with_hook(DDP, make)
 
 
+def _bn_net(fill: str) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        getattr(net[1], fill).fill_(1.0 + _rank())  # rank-local before wrapping
+    return net
+
+
+def buffer_arguments(DDP):
+    """torch 2.13's two buffer arguments: broadcast_buffers=False keeps rank-local
+    buffers at construction too; given both, forward_sync_buffers wins (torch warns)."""
+    import warnings
+
+    states = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of the old name
+        for name, kwargs in {
+            "local": {"broadcast_buffers": False},
+            "both": {"broadcast_buffers": False, "forward_sync_buffers": True},
+            "forward": {"forward_sync_buffers": False},
+        }.items():
+            model = DDP(_bn_net("running_mean"), **kwargs)
+            _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+            states.update({f"{name}.{k}": v for k, v in _state(model).items()})
+    return states
+
+
 def hook_registered_after_training(DDP):
     """torch lets a comm hook be registered once training has begun; so does ddpkit."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -416,4 +443,5 @@ SCRIPTS = {f.__name__: f for f in (
     hook_allreduce, hook_fp16_compress, hook_powersgd, pickled_midway, deepcopied_midway,
     sparse_embedding, static_graph_unused, static_graph_set_after_construction,
     join_method_uneven_inputs, batchnorm_no_sync_and_eval, hook_registered_after_training,
+    buffer_arguments,
 )}

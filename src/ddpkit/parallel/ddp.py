@@ -245,8 +245,8 @@ class DataParallel(nn.Module, Joinable):
             named_params = self._named_parameters()
             verify_same_layout(named_params, self.named_module_buffers, group)
             # Rank 0's initial state wins, so replicas start identical whatever seeds were used.
-            broadcast_coalesced(
-                [p.detach() for _, p in named_params] + self.modules_buffers, 0, group)
+            buffers = self.modules_buffers if settings["init_sync_buffers"] else []
+            broadcast_coalesced([p.detach() for _, p in named_params] + buffers, 0, group)
         self._build_engine(lazy=False)
 
     # -- construction, also run when a pickled copy is loaded ------------------------------

@@ -17,6 +17,7 @@ bucket (index after the dense buckets), as torch's hooks do.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,7 @@ class SparseReducer:
         self.divisor = 1
         self.ready = [False] * len(self.params)
         self.callback_queued = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+        self._handles = [p.register_post_accumulate_grad_hook(partial(self._on_grad_ready, i))
                          for i, p in enumerate(self.params)]
 
     def arm(self, divisor: int) -> None:
@@ -62,12 +63,6 @@ class SparseReducer:
 
     def disarm(self) -> None:
         self.armed = False
-
-    def _make_hook(self, index: int):
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad_ready(index, param)
-
-        return hook
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         if not self.armed:

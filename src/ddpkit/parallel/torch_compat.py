@@ -9,6 +9,7 @@ without saying so.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,14 +93,26 @@ def engine_settings(
     skip_all_reduce_unused_params: bool,
     bucket_cap_mb_list: Any,
 ) -> dict[str, Any]:
-    """The engine's settings for torch's arguments; refuses those it cannot honour."""
-    if (broadcast_buffers is not None and forward_sync_buffers is not None
-            and bool(broadcast_buffers) != bool(forward_sync_buffers)):
-        raise TorchArgumentError(
-            f"broadcast_buffers={broadcast_buffers} and forward_sync_buffers="
-            f"{forward_sync_buffers} disagree (they are the same option); pass one of them")
-    sync_buffers = next((v for v in (forward_sync_buffers, broadcast_buffers) if v is not None),
-                        True)
+    """The engine's settings for torch's arguments; refuses those it cannot honour.
+
+    Buffers, as torch 2.13 reads its two arguments for them: ``forward_sync_buffers``
+    wins when given (and buffers are always part of the initial broadcast);
+    ``broadcast_buffers``, deprecated in torch (a FutureWarning, torch's words), also
+    decides whether buffers are part of the initial broadcast (False keeps rank-local
+    buffers).
+    """
+    if broadcast_buffers is not None:
+        warnings.warn(
+            "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
+            "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still "
+            "syncs buffers at init." if forward_sync_buffers is None else
+            "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+            "`broadcast_buffers` is deprecated and its value is ignored when "
+            "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        sync_buffers, init_sync_buffers = bool(forward_sync_buffers), True
+    else:
+        sync_buffers = init_sync_buffers = broadcast_buffers is None or bool(broadcast_buffers)
     if process_group is not None and group is not None and process_group is not group:
         raise TorchArgumentError(
             "process_group and group name different groups (they are the same option); "
@@ -121,6 +134,7 @@ def engine_settings(
                "and first_bucket_cap_mb=")
     return {
         "broadcast_buffers": sync_buffers,
+        "init_sync_buffers": init_sync_buffers,
         "group": group if group is not None else process_group,
         "bucket_cap_mb": 25.0 if bucket_cap_mb is None else bucket_cap_mb,
     }
