@@ -241,6 +241,7 @@ class DataParallel(nn.Module, Joinable):
         self._engine_options = {"comm": comm, "comm_hook": comm_hook, "comm_state": comm_state,
                                 "limits": limits, "initial_bucketing": initial_bucketing}
         self._attach(group)
+        self._check_module()
         if init_sync:
             named_params = self._named_parameters()
             verify_same_layout(named_params, self.named_module_buffers, group)
@@ -276,15 +277,27 @@ class DataParallel(nn.Module, Joinable):
         self.device = next(iter(self.module.parameters())).device if devices else None
         self.device_type = self.device.type if self.device is not None else "cpu"
 
-    def _build_engine(self, *, lazy: bool) -> None:
-        """Reducer(s), transport and logging data for the trainable parameters."""
-        options = self._engine_options
-        trainable = [(n, p) for n, p in self._named_parameters() if p.requires_grad]
-        if not trainable:
+    def _check_module(self) -> None:
+        """What torch refuses about the module itself, before any communication."""
+        params = [p for _, p in self._named_parameters()]
+        if not any(p.requires_grad for p in params):
             raise UsageError(
                 "DistributedDataParallel is not needed when a module doesn't have any "
                 "parameter that requires a gradient (DataParallel: nothing to reduce; set "
                 "requires_grad on the parameters to train, or do not wrap the module)")
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in params):
+            raise UsageError(
+                "Modules with uninitialized parameters can't be used with DataParallel "
+                "(lazy modules): run a dummy forward pass first to initialize them")
+        if self.device_type == "cpu" and any(isinstance(m, nn.SyncBatchNorm)
+                                             for m in self.module.modules()):
+            raise ConfigError("SyncBatchNorm layers only work with GPU modules; use "
+                              "nn.BatchNorm* on CPU (buffers are broadcast before forward)")
+
+    def _build_engine(self, *, lazy: bool) -> None:
+        """Reducer(s), transport and logging data for the trainable parameters."""
+        options = self._engine_options
+        trainable = [(n, p) for n, p in self._named_parameters() if p.requires_grad]
         sparse_ids = sparse_parameters(self.module)
         dense = [(n, p) for n, p in trainable if id(p) not in sparse_ids]
         sparse = [(n, p) for n, p in trainable if id(p) in sparse_ids]
