@@ -377,6 +377,21 @@ def sparse_embedding(DDP):
     return _state(model)
 
 
+def sparse_embedding_uneven_inputs(DDP):
+    """Sparse gradients under model.join(): a rank that ran out of batches answers the
+    others' sparse all-reduces with empty gradients."""
+    model = DDP(_Bag(sparse=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with model.join():
+        for step in range(2 + 2 * _rank()):
+            g = torch.Generator().manual_seed(100 * step + _rank())
+            tokens = torch.randint(0, 40, (6, 5), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(model(tokens), torch.randint(0, 4, (6,), generator=g)).backward()
+            opt.step()
+    return _state(model)
+
+
 def _grad_presence(model) -> dict[str, torch.Tensor]:
     return {f"grad_is_none.{n}": torch.tensor(p.grad is None)
             for n, p in model.module.named_parameters()}
@@ -443,5 +458,5 @@ SCRIPTS = {f.__name__: f for f in (
     hook_allreduce, hook_fp16_compress, hook_powersgd, pickled_midway, deepcopied_midway,
     sparse_embedding, static_graph_unused, static_graph_set_after_construction,
     join_method_uneven_inputs, batchnorm_no_sync_and_eval, hook_registered_after_training,
-    buffer_arguments,
+    buffer_arguments, sparse_embedding_uneven_inputs,
 )}

@@ -126,7 +126,8 @@ class SparseReducer:
         for i, p in enumerate(self.params):
             empty = torch.sparse_coo_tensor(
                 torch.empty(1, 0, dtype=torch.int64, device=p.device),
-                torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device), p.shape)
+                torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device), p.shape,
+                check_invariants=True)  # nothing to check in an empty tensor; says so
             self._reduce_one(i, empty)
 
     def remove_hooks(self) -> None:
