@@ -35,8 +35,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
-from torch.distributed.utils import _to_kwargs
-from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from ddpkit import lifetime
 from ddpkit.errors import ConfigError, ConfigTypeError, UsageError
@@ -50,11 +48,10 @@ from ddpkit.parallel.scatter_reducer import ScatterReducer
 from ddpkit.parallel.sharding import Sharding, agree_on_mode, check_mode
 from ddpkit.parallel.sparse_grads import SparseReducer, sparse_parameters
 from ddpkit.parallel.state_sync import broadcast_coalesced, verify_same_layout
+from ddpkit.parallel.torch_compat import IGNORE_ATTRIBUTE, TorchMethods
 
 # torch DDP's: buffers and parameters are broadcast in messages of at most this size.
 BROADCAST_BUCKET_BYTES = 250 * MIB
-# Where torch's _set_params_and_buffers_to_ignore_for_model leaves the names to skip.
-IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 
 
 def _allocator_from(comm_state: object, default: Allocator) -> Allocator:
@@ -82,7 +79,7 @@ def _allocator_from(comm_state: object, default: Allocator) -> Allocator:
     return without_device
 
 
-class DataParallel(nn.Module, Joinable):
+class DataParallel(TorchMethods, nn.Module, Joinable):
     """Replicate ``module`` across the ranks of ``group`` and average gradients in backward.
 
     torch DDP's arguments (positional or keyword, same order as torch 2.13):
@@ -353,14 +350,6 @@ class DataParallel(nn.Module, Joinable):
         """The transport the buckets go through ("shm", "backend", "ring")."""
         return self.transport.name
 
-    @property
-    def broadcast_buffers(self) -> bool:
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
-
     def _raise(self, error: Exception) -> NoReturn:
         """Raise ``error``, recorded first in the logging data (as torch logs its own)."""
         self._logging.error(next(t for t in type(error).__mro__
@@ -424,11 +413,6 @@ class DataParallel(nn.Module, Joinable):
         # a steady-state step), torch's broadcast otherwise.
         if self.world_size > 1:
             self.transport.broadcast(self._buffers_to_sync, src, every_step=True)
-
-    def will_sync_module_buffers(self) -> bool:
-        """Whether the next forward broadcasts the buffers (torch's method)."""
-        return (self.require_forward_param_sync and self.forward_sync_buffers
-                and len(self.modules_buffers) > 0)
 
     # -- join ----------------------------------------------------------------------------
 
@@ -497,17 +481,6 @@ class DataParallel(nn.Module, Joinable):
             reducer.comm_state = state
         self._logging.set("comm_hook", getattr(hook, "__qualname__", repr(hook)))
 
-    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
-        """torch's built-in hooks by type: ALLREDUCE and FP16_COMPRESS."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        hooks = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
-                 dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
-        if comm_hook_type not in hooks:
-            self._raise(ConfigError(f"unknown built-in comm hook {comm_hook_type!r}"))
-        self.register_comm_hook(self.process_group, hooks[comm_hook_type])
-        self._logging.set("comm_hook", str(comm_hook_type))
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside this block accumulate local gradients without reducing.
@@ -520,23 +493,6 @@ class DataParallel(nn.Module, Joinable):
             yield
         finally:
             self.require_backward_grad_sync = previous
-
-    def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
-        """torch DDP's method (torch's scatter_kwargs along ``dim``)."""
-        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
-
-    def to_kwargs(self, inputs: Any, kwargs: Any, device_id: Any) -> Any:
-        """torch DDP's method: ``inputs`` and ``kwargs`` moved to ``device_id``."""
-        return _to_kwargs(inputs, kwargs, torch.device(self.device_type, device_id),
-                          self.use_side_stream_for_tensor_copies)
-
-    def gather(self, outputs: Any, output_device: Any) -> Any:
-        """torch DDP's method (torch's gather along ``dim``)."""
-        return gather(outputs, output_device, dim=self.dim)
-
-    def train(self, mode: bool = True) -> DataParallel:
-        super().train(mode)
-        return self
 
     # -- sharding (shard="optimizer" | "gradients"); plain pass-throughs with "none" -------
 
@@ -621,24 +577,6 @@ class DataParallel(nn.Module, Joinable):
         """Parameter names per gradient bucket, in the order buckets are reduced."""
         return self.reducer.bucket_sizes()
 
-    # -- torch DDP's private debugging API (used by tools and by torch's own tests) -------
-
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(
-            module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
-        """Names (``"layer.weight"``) that DataParallel neither broadcasts nor reduces."""
-        setattr(module, IGNORE_ATTRIBUTE, list(params_and_buffers_to_ignore))
-
-    def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """torch DDP's logging dictionary (see :mod:`ddpkit.parallel.ddp_logging`)."""
-        return self._logging.snapshot()
-
-    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
-        if sample_rate < 1:
-            self._raise(ConfigError(
-                "DDP runtime logging sample rate should be equal or greater than 1"))
-        self._logging.set_sample_rate(sample_rate)
-
     def _set_static_graph(self) -> None:
         """Mark the graph static after construction (prefer ``static_graph=True``)."""
         if self.static_graph:
@@ -655,10 +593,6 @@ class DataParallel(nn.Module, Joinable):
             warnings.warn(
                 "find_unused_parameters=True is not needed with _set_static_graph(): unused "
                 "parameters are found automatically (they must stay unused)", stacklevel=2)
-
-    @property
-    def _distributed_rank(self) -> int:
-        return dist.get_rank(self.process_group)
 
     def extra_repr(self) -> str:
         sizes = [sum(self.reducer.params[i].numel() for i in b.param_indices)
