@@ -321,9 +321,9 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
             initial_bucketing=options["initial_bucketing"], transport=self.transport,
             static_graph=self.static_graph,
         )
+        if not lazy:  # collective; a loaded copy is never sharded (ddp_pickle)
+            agree_on_mode(self.shard, group)
         if self.shard != "none":
-            if not lazy:  # a loaded copy was checked when it was saved
-                agree_on_mode(self.shard, group)
             self._sharding = Sharding(self.shard, self.reducer, self.transport, group)
         self.sparse = None
         if sparse:
