@@ -365,3 +365,64 @@ def test_misuse_raises_torchs_exception_type_with_ddpkits_message(pools, world_s
             # what torch raised, ddpkit's error is too (a program's except clause catches it)
             assert theirs[0][0] in ours[0], f"{case}: torch raised {theirs}, ddpkit {ours}"
             assert "\n" not in ours[1], f"{case}: not one line: {ours[1]!r}"
+
+
+def _surface(DDP) -> dict:
+    """What a script sees of a wrapped model besides training: compared between engines."""
+    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+    model = DDP(inner)
+    facts = {"module is the wrapped model": model.module is inner,
+             "state_dict keys": list(model.state_dict()),
+             "named_parameters": [n for n, _ in model.named_parameters()],
+             "named_buffers": [n for n, _ in model.named_buffers()],
+             "named_children": [n for n, _ in model.named_children()],
+             "load_state_dict": str(DDP(copy_of(inner)).load_state_dict(model.state_dict()))}
+    returned = [model.eval() is model, model.training, inner[2].training,
+                model.train() is model, inner[2].training, model.train(False) is model,
+                model.to(torch.float32) is model, model.cpu() is model, model.float() is model]
+    facts["train/eval/to return the wrapper and reach the module"] = returned
+    model.train()
+    with torch.no_grad():
+        facts["no_grad forward output requires grad"] = model(torch.ones(2, 4)).requires_grad
+    seen = []
+    model.register_forward_hook(lambda *_: seen.append("wrapper"))
+    inner.register_forward_hook(lambda *_: seen.append("module"))
+    model(torch.ones(2, 4)).sum().backward()
+    facts["forward hooks"] = seen
+    facts["grads after zero_grad"] = (model.zero_grad(), [p.grad for p in model.parameters()])
+    try:
+        model.weight  # noqa: B018 (a module's attribute is reached through .module)
+        facts["wrapper attribute of the module"] = "no error"
+    except AttributeError:
+        facts["wrapper attribute of the module"] = "AttributeError"
+    state = model.state_dict()
+    consume_prefix_in_state_dict_if_present(state, "module.")
+    facts["unwrapped state dict loads into the plain model"] = str(
+        copy_of(inner).load_state_dict(state))
+    facts["attributes"] = [
+        model.require_forward_param_sync, model.require_backward_grad_sync,
+        model.find_unused_parameters, model.gradient_as_bucket_view, model.static_graph,
+        model.dim, model.broadcast_bucket_size, model.bucket_bytes_cap, model.device_ids,
+        model.output_device, model.device_type, str(model.device),
+        model.is_multi_device_module, len(model.modules_buffers), model.parameters_to_ignore,
+        model.will_sync_module_buffers(), model.process_group is torch.distributed.group.WORLD]
+    return facts
+
+
+def copy_of(module: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(module)
+
+
+def run_surface(world):
+    return _surface(DistributedDataParallel), _surface(ddpkit.DataParallel)
+
+
+def test_what_a_script_sees_besides_training_is_torchs(pools):
+    for theirs, ours in pools(2).run(run_surface):
+        for fact, value in theirs.items():
+            assert ours[fact] == value, f"{fact}: torch {value!r}, ddpkit {ours[fact]!r}"

@@ -451,6 +451,76 @@ def batchnorm_no_sync_and_eval(DDP):
     return _state(model)
 
 
+def hook_wrappers_and_builtin_registration(DDP):
+    """torch's hook wrappers and registration helpers: fp16_compress_wrapper swaps a
+    half-precision buffer into the bucket (GradBucket.set_buffer) for the wrapped hook;
+    a hook registered through register_ddp_comm_hook, on a model of its own."""
+    from torch.distributed.algorithms.ddp_comm_hooks import (
+        DDPCommHookType,
+        default_hooks,
+        register_ddp_comm_hook,
+    )
+
+    states = _with_hook(DDP, lambda: (None, default_hooks.fp16_compress_wrapper(
+        default_hooks.allreduce_hook)))
+    model = DDP(_mlp())
+    register_ddp_comm_hook(DDPCommHookType.FP16_COMPRESS, model)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 3)
+    states.update({f"registered.{k}": v for k, v in _state(model).items()})
+    return states
+
+
+class _Alternating(nn.Module):
+    """Branch b or c, by step and rank: the set of used parameters changes every step."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(16, 4), nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x, step=0):
+        return self.a(x) + (self.b(x) if step % 2 else self.c(x))
+
+
+def unused_parameters_changing_graph(DDP):
+    """find_unused_parameters=True with a graph that changes every step and differs
+    between ranks; momentum makes a .grad of None (skipped) differ from zeros."""
+    model = DDP(_Alternating(), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    unused = []
+    for step in range(5):
+        opt.zero_grad(set_to_none=True)
+        x, y = _batch(step)
+        F.cross_entropy(model(x, step=step + _rank() * (step > 2)), y).backward()
+        unused.append([p.grad is None for p in model.parameters()])
+        opt.step()
+    return {**_state(model), "unused": torch.tensor(unused)}
+
+
+def nested_no_sync_bucket_views_subgroup(DDP):
+    """no_sync nested in no_sync, gradient_as_bucket_view with zero_grad keeping the
+    gradients (set_to_none=False), tiny buckets, on a process group of its own."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    model = DDP(_mlp(), process_group=group, bucket_cap_mb=0.001,
+                gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    flags = []
+    for step in range(3):
+        opt.zero_grad(set_to_none=False)
+        with model.no_sync():
+            with model.no_sync():
+                x, y = _batch(step)
+                F.cross_entropy(model(x), y).backward()
+            flags.append(model.require_backward_grad_sync)
+            x, y = _batch(step + 10)
+            F.cross_entropy(model(x), y).backward()
+        flags.append(model.require_backward_grad_sync)
+        x, y = _batch(step + 20)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {**_state(model), "flags": torch.tensor(flags)}
+
+
 SCRIPTS = {f.__name__: f for f in (
     accumulate_no_sync, accumulate_require_backward_grad_sync, adamw_clip_scheduler,
     bf16_autocast, gpt_tied_weights, cnn_batchnorm, unused_parameters, uneven_inputs_join,
@@ -458,5 +528,6 @@ SCRIPTS = {f.__name__: f for f in (
     hook_allreduce, hook_fp16_compress, hook_powersgd, pickled_midway, deepcopied_midway,
     sparse_embedding, static_graph_unused, static_graph_set_after_construction,
     join_method_uneven_inputs, batchnorm_no_sync_and_eval, hook_registered_after_training,
-    buffer_arguments, sparse_embedding_uneven_inputs,
+    buffer_arguments, sparse_embedding_uneven_inputs, hook_wrappers_and_builtin_registration,
+    unused_parameters_changing_graph, nested_no_sync_bucket_views_subgroup,
 )}

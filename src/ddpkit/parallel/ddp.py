@@ -90,11 +90,12 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
       ``forward_sync_buffers``, ``init_sync`` (False: no layout check and no initial
       broadcast), ``process_group`` (= ``group``), ``bucket_cap_mb`` (None: 25),
       ``find_unused_parameters``, ``static_graph`` (unused parameters are found in the
-      first backward and expected to stay unused, no per-step detection afterwards);
-    * accepted with nothing to do: ``check_reduction`` (deprecated in torch),
+      first backward and expected to stay unused, no per-step detection afterwards),
       ``gradient_as_bucket_view`` (``.grad`` is always a view into its bucket here; the
-      numbers are the same either way), ``batched_grad_copy`` (a copy strategy; same
-      numbers);
+      flag only chooses torch's rounding: an accumulated gradient is divided by the world
+      size, not multiplied by its inverse, as torch's reducer does with the flag);
+    * accepted with nothing to do: ``check_reduction`` (deprecated in torch),
+      ``batched_grad_copy`` (a copy strategy; same numbers);
     * refused, one line each: ``device_mesh``, ``delay_all_reduce_named_params``,
       ``param_to_hook_all_reduce``, ``mixed_precision``,
       ``skip_all_reduce_unused_params=True``, ``bucket_cap_mb_list``.
@@ -178,8 +179,8 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
             )
         if isinstance(module, DataParallel):
             raise ConfigError("module is already a DataParallel; wrap the plain model once")
-        # torch's arguments first: dim, check_reduction, gradient_as_bucket_view and
-        # batched_grad_copy need nothing here (see the class docstring).
+        # torch's arguments first: dim, check_reduction and batched_grad_copy need
+        # nothing here (see the class docstring).
         self.device_ids = None if device_ids is None else list(device_ids)
         self._input_device = torch_compat.single_device(module, device_ids, output_device)
         self.output_device = self._input_device
@@ -319,7 +320,7 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
             find_unused_parameters=self.find_unused_parameters,
             comm_hook=comm_hook, comm_state=comm_state, allocate=allocate,
             initial_bucketing=options["initial_bucketing"], transport=self.transport,
-            static_graph=self.static_graph,
+            static_graph=self.static_graph, gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
         if not lazy:  # collective; a loaded copy is never sharded (ddp_pickle)
             agree_on_mode(self.shard, group)

@@ -97,6 +97,7 @@ class Reducer:
         initial_bucketing: str = "reverse",
         transport: Transport | None = None,
         static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
     ):
         self.params = list(params)
         self.names = list(names)
@@ -105,6 +106,10 @@ class Reducer:
         self.limits = list(limits_bytes)
         self.find_unused = find_unused_parameters
         self.static_graph = static_graph
+        # torch's reducer scales a gradient that is already its bucket slot by dividing
+        # (only possible there with gradient_as_bucket_view) and any other by multiplying
+        # by 1/W; the two round differently when W is not a power of two.
+        self.divide_in_place = gradient_as_bucket_view
         self.static_unused: set[int] = set()  # unused in the first static-graph backward
         # Observers (DataParallel's logging data, its sparse gradients): on_event(name,
         # detail) at "comm_start", "compute_end", "comm_end" and "error"; every
@@ -286,7 +291,9 @@ class Reducer:
                     "nn.Embedding/nn.EmbeddingBag(sparse=True)"
                 )
             elif _same_memory(grad, view):
-                if scale:
+                if scale and self.divide_in_place:
+                    view.div_(self.divisor)
+                elif scale:
                     view.mul_(1.0 / self.divisor)
             elif scale:
                 # Copy and scale in one pass over memory (what torch's reducer does too).
