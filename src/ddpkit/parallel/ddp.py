@@ -118,7 +118,7 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
             ``"shm"`` (buckets live in the host's shared memory; backward writes gradients
             there and the sum runs in place), or a comm hook (same as ``comm_hook=``).
         bucket_cap_mb: size cap of a gradient bucket in MiB (the first bucket is capped at
-            ``first_bucket_cap_mb``, default ``min(1, bucket_cap_mb)``).
+            ``first_bucket_cap_mb``).
         broadcast_buffers: copy rank 0's buffers to every rank before each forward that
             follows a synchronized one (torch's rule, ``require_forward_param_sync``).
         find_unused_parameters: allow parameters that get no gradient in a backward;
@@ -128,12 +128,14 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         comm_state: passed to the hook; if it has ``allocate(numel, dtype, device)``, bucket
             storage is allocated through it.
         group: the process group to replicate over (default: the whole world).
-        first_bucket_cap_mb: cap of the first bucket (the gradients ready first).
+        first_bucket_cap_mb: cap of the first bucket (the gradients ready first); by
+            default 1 MiB, or ``bucket_cap_mb`` when that is given (torch 2.13's rule).
         initial_bucketing: layout until the first backward has shown the real gradient
             order: ``"reverse"`` (reverse registration order, size-capped buckets: overlap
             from the first step) or ``"single"`` (one bucket per device and dtype in
             registration order, reduced at the end: torch 2.x's layout, which makes results
-            bit-identical to torch DDP's at any world size).
+            bit-identical to torch DDP's at any world size; with find_unused_parameters
+            and no static graph, torch's size-capped buckets, which it never re-lays).
         shard: ``"none"`` (default), ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2):
             ``model.parameters()`` then yields this rank's flat shards, so the optimizer
             built on them holds 1/W of the state (see :mod:`ddpkit.parallel.sharding`).
@@ -211,6 +213,10 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         elif comm_hook is not None and comm != "auto":
             raise ConfigError(f"comm={comm!r} and comm_hook both choose how buckets are "
                               "reduced; pass one of them")
+        if first_bucket_cap_mb is None and not self.bucket_bytes_cap_default:
+            # torch 2.13: a bucket_cap_mb given by the user caps the first bucket too
+            # (the smaller first bucket is part of the default only)
+            first_bucket_cap_mb = bucket_cap_mb
         try:
             limits = size_limits(bucket_cap_mb, first_bucket_cap_mb)
         except ValueError as exc:

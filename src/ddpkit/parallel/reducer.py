@@ -71,10 +71,16 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def initial_assignment(params: Sequence[torch.Tensor], limits: Sequence[int],
-                       initial_bucketing: str) -> list[list[int]]:
-    """Buckets before the first backward has shown the real gradient order."""
+                       initial_bucketing: str, *, relaid: bool = True) -> list[list[int]]:
+    """Buckets before the first backward has shown the real gradient order (``relaid``:
+    whether they will be laid out again by that order)."""
     if initial_bucketing == "reverse":
         return assign_buckets(params, list(reversed(range(len(params)))), limits)
+    if initial_bucketing == "single" and not relaid:
+        # torch's layout for good (find_unused_parameters without a static graph): buckets
+        # filled in registration order under the size limits, launched last one first.
+        filled = assign_buckets(params, list(range(len(params))), limits)
+        return sorted(filled, key=min, reverse=True)
     if initial_bucketing == "single":
         # torch >= 2.x's choice: until the real order is known, one bucket per
         # (device, dtype) in registration order, reduced after the whole backward.
@@ -124,7 +130,8 @@ class Reducer:
         # how the default path sums a bucket (ddpkit.parallel.transport); None: backend
         self.transport = transport
 
-        initial = initial_assignment(self.params, self.limits, initial_bucketing)
+        initial = initial_assignment(self.params, self.limits, initial_bucketing,
+                                     relaid=self.relays)
         self.assignment = initial
         self._install(build_buckets(self.params, self.assignment, allocate))
 
@@ -163,10 +170,16 @@ class Reducer:
                 self.bucket_of[i] = bucket.index
                 self.views[i] = view
 
+    @property
+    def relays(self) -> bool:
+        """Whether buckets are laid out again by the observed gradient order (torch's
+        rule: unless unused parameters are searched for every step)."""
+        return self.static_graph or not self.find_unused
+
     def use_single_initial_bucket(self) -> None:
         """Before any backward: torch's first-iteration layout (one bucket per device and
         dtype, registration order) instead of the guessed reverse order."""
-        assignment = assign_buckets(self.params, list(range(len(self.params))), [2**62])
+        assignment = initial_assignment(self.params, self.limits, "single", relaid=self.relays)
         if assignment != self.assignment:
             self.assignment = assignment
             self._install(build_buckets(self.params, assignment, self.allocate))
@@ -185,7 +198,7 @@ class Reducer:
         iteration on every rank (the forward after the first synchronized backward),
         including ranks that shadow the others under join.
         """
-        if self.rebuilt or self.synced_iterations <= self._order_iteration or self.find_unused:
+        if self.rebuilt or self.synced_iterations <= self._order_iteration or not self.relays:
             return
         self.rebuilt = True
         order = torch.zeros(len(self.params), dtype=torch.int64, device=self._comm_device())
