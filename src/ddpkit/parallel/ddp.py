@@ -266,7 +266,6 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         # torch's gloo threads must be joined before the interpreter finalizes: destroy
         # the default group at exit if the program does not (ddpkit.lifetime).
         lifetime.destroy_default_group_at_exit()
-        self.process_group = group if group is not None else _default_group()
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._sharding: Sharding | None = None  # built with the engine
@@ -351,6 +350,13 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         super().__setstate__(state)
         self._attach(None)
         self._build_engine(lazy=True)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """torch DDP's attribute: the group replicated over (the default group when none
+        was given). Looked up, not held: a model alive at exit must not keep the default
+        group, and its gloo threads, alive past its destruction (ddpkit.lifetime)."""
+        return self.group if self.group is not None else _default_group()
 
     @property
     def comm(self) -> str:
