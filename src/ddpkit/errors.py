@@ -1,4 +1,17 @@
-"""Errors that ddpkit reports to users as one line, without a traceback."""
+"""Errors that ddpkit reports to users as one line, without a traceback.
+
+Each class is also the builtin exception type torch raises in the same situation, so a
+program written against torch (``except RuntimeError:`` around a DDP call,
+``except ValueError:`` around a collective) catches ddpkit's error too, with ddpkit's
+clearer message:
+
+* :class:`ConfigError` is a ``ValueError`` (bad values: options, environment, sizes);
+* :class:`ConfigTypeError` is also a ``TypeError`` (an argument of the wrong kind);
+* :class:`UsageError` is a ``RuntimeError`` (a call the object's state refuses: a
+  second comm hook, a parameter that got no gradient, a module with nothing to train);
+* :class:`CommError` is a ``RuntimeError`` (a collective that cannot run as asked), and
+  :class:`CommValueError` also a ``ValueError`` (an op torch refuses for that dtype).
+"""
 
 from __future__ import annotations
 
@@ -18,8 +31,20 @@ class ConfigError(DdpkitError, ValueError):
     """Bad user input: environment variables, options, configuration values."""
 
 
+class ConfigTypeError(ConfigError, TypeError):
+    """An argument of the wrong kind (torch raises TypeError there)."""
+
+
+class UsageError(DdpkitError, RuntimeError):
+    """A call refused in the object's current state (torch raises RuntimeError there)."""
+
+
 class CommError(DdpkitError, RuntimeError):
     """A collective that cannot run as asked (raised before any communication)."""
+
+
+class CommValueError(CommError, ValueError):
+    """A collective whose op and dtype torch refuses with ValueError (max of complex)."""
 
 
 # Set by `ddpkit launch` for the processes it starts (see install_one_line_errors).

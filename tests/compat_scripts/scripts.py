@@ -4,11 +4,14 @@ Each ``script(DDP)`` is what a user's program looks like after
 ``from torch.nn.parallel import DistributedDataParallel as DDP``; the compatibility
 tests run it once with torch's class and once with ``ddpkit.DataParallel`` in its
 place (the one-line import change) and compare the final parameters bit for bit. The
-process group is already initialized (2 gloo ranks); each returns its model's state.
+process group is already initialized (2 or 3 gloo ranks); each returns its model's
+state.
 """
 
 from __future__ import annotations
 
+import copy
+import io
 import math
 
 import torch
@@ -268,6 +271,45 @@ def hook_powersgd(DDP):
     return _with_hook(DDP, make)
 
 
+def _bn_net(fill: str) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        getattr(net[1], fill).fill_(1.0 + _rank())  # rank-local before wrapping
+    return net
+
+
+def buffer_arguments(DDP):
+    """torch 2.13's two buffer arguments: broadcast_buffers=False keeps rank-local
+    buffers at construction too; given both, forward_sync_buffers wins (torch warns)."""
+    import warnings
+
+    states = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of the old name
+        for name, kwargs in {
+            "local": {"broadcast_buffers": False},
+            "both": {"broadcast_buffers": False, "forward_sync_buffers": True},
+            "forward": {"forward_sync_buffers": False},
+        }.items():
+            model = DDP(_bn_net("running_mean"), **kwargs)
+            _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+            states.update({f"{name}.{k}": v for k, v in _state(model).items()})
+    return states
+
+
+def hook_registered_after_training(DDP):
+    """torch lets a comm hook be registered once training has begun; so does ddpkit."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    model = DDP(_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train(model, opt, 2)
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    _train(model, opt, 2, first_step=2)
+    return _state(model)
+
+
 def compiled(DDP):
     model = torch.compile(DDP(_mlp()))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -280,9 +322,214 @@ def compiled(DDP):
             for k, v in model.state_dict().items()}
 
 
+def _train(model, opt, steps, first_step=0, **forward_kwargs):
+    for step in range(first_step, first_step + steps):
+        x, y = _batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(x, **forward_kwargs), y).backward()
+        opt.step()
+
+
+def pickled_midway(DDP):
+    """torch.save(ddp_model) then torch.load, and training goes on with the copy."""
+    model = DDP(_mlp())
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    _train(loaded, torch.optim.SGD(loaded.parameters(), lr=0.1), 2, first_step=2)
+    return _state(loaded)
+
+
+def deepcopied_midway(DDP):
+    """copy.deepcopy(ddp_model): the copy trains on, and so does the original."""
+    model = DDP(_mlp())
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 2)
+    twin = copy.deepcopy(model)
+    _train(twin, torch.optim.SGD(twin.parameters(), lr=0.05), 2, first_step=2)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 1, first_step=4)
+    return {**{f"twin.{k}": v for k, v in _state(twin).items()}, **_state(model)}
+
+
+class _Bag(nn.Module):
+    def __init__(self, sparse: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(40, 8, sparse=sparse)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, tokens):
+        return self.out(self.emb(tokens).mean(dim=1))
+
+
+def sparse_embedding(DDP):
+    """nn.Embedding(sparse=True): the sparse gradient is all-reduced, SGD applies it."""
+    model = DDP(_Bag(sparse=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + _rank())
+        tokens = torch.randint(0, 40, (6, 5), generator=g)  # repeats: uncoalesced rows
+        y = torch.randint(0, 4, (6,), generator=g)
+        opt.zero_grad()
+        F.cross_entropy(model(tokens), y).backward()
+        opt.step()
+    return _state(model)
+
+
+def sparse_embedding_uneven_inputs(DDP):
+    """Sparse gradients under model.join(): a rank that ran out of batches answers the
+    others' sparse all-reduces with empty gradients."""
+    model = DDP(_Bag(sparse=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with model.join():
+        for step in range(2 + 2 * _rank()):
+            g = torch.Generator().manual_seed(100 * step + _rank())
+            tokens = torch.randint(0, 40, (6, 5), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(model(tokens), torch.randint(0, 4, (6,), generator=g)).backward()
+            opt.step()
+    return _state(model)
+
+
+def _grad_presence(model) -> dict[str, torch.Tensor]:
+    return {f"grad_is_none.{n}": torch.tensor(p.grad is None)
+            for n, p in model.module.named_parameters()}
+
+
+def static_graph_unused(DDP):
+    """static_graph=True and a layer that no iteration uses (its .grad stays None)."""
+    model = DDP(_Branchy(), static_graph=True)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 4, use_b=False)
+    return {**_state(model), **_grad_presence(model)}
+
+
+def static_graph_set_after_construction(DDP):
+    model = DDP(_Branchy())
+    model._set_static_graph()
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 3, use_b=True)
+    return {**_state(model), **_grad_presence(model)}
+
+
+def join_method_uneven_inputs(DDP):
+    """torch DDP's own method: ``with model.join(): ...``, and its arguments."""
+    model = DDP(_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.join(enable=False):
+        _train(model, opt, 1, first_step=20)
+    with model.join():
+        _train(model, opt, 2 + _rank())
+    # Last: after a divide_by_initial_world_size=False join, torch 2.13's reducer keeps
+    # that join's final divisor for a later join(enable=False) block (docs/ddp-engine.md).
+    with model.join(divide_by_initial_world_size=False):
+        _train(model, opt, 3 - _rank() % 2, first_step=10)
+    return _state(model)
+
+
+def batchnorm_no_sync_and_eval(DDP):
+    """Buffers are broadcast before a forward only if the previous forward synchronized
+    (torch's require_forward_param_sync): no_sync and no_grad forwards change what the
+    next forward broadcasts, so the ranks' running statistics depend on it."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    model = DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = _batch(step)
+        with model.no_sync():
+            F.cross_entropy(model(x), y).backward()
+        x, y = _batch(step + 50)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            model(_batch(step + 90)[0])
+            model(_batch(step + 91)[0])
+    model.eval()
+    with torch.no_grad():
+        model(_batch(7)[0])
+    return _state(model)
+
+
+def hook_wrappers_and_builtin_registration(DDP):
+    """torch's hook wrappers and registration helpers: fp16_compress_wrapper swaps a
+    half-precision buffer into the bucket (GradBucket.set_buffer) for the wrapped hook;
+    a hook registered through register_ddp_comm_hook, on a model of its own."""
+    from torch.distributed.algorithms.ddp_comm_hooks import (
+        DDPCommHookType,
+        default_hooks,
+        register_ddp_comm_hook,
+    )
+
+    states = _with_hook(DDP, lambda: (None, default_hooks.fp16_compress_wrapper(
+        default_hooks.allreduce_hook)))
+    model = DDP(_mlp())
+    register_ddp_comm_hook(DDPCommHookType.FP16_COMPRESS, model)
+    _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 3)
+    states.update({f"registered.{k}": v for k, v in _state(model).items()})
+    return states
+
+
+class _Alternating(nn.Module):
+    """Branch b or c, by step and rank: the set of used parameters changes every step."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(16, 4), nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, x, step=0):
+        return self.a(x) + (self.b(x) if step % 2 else self.c(x))
+
+
+def unused_parameters_changing_graph(DDP):
+    """find_unused_parameters=True with a graph that changes every step and differs
+    between ranks; momentum makes a .grad of None (skipped) differ from zeros. Small
+    buckets: torch never re-lays them with find_unused_parameters, so at three ranks only
+    torch's own layout gives torch's sums."""
+    model = DDP(_Alternating(), find_unused_parameters=True, bucket_cap_mb=0.0003)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    unused = []
+    for step in range(5):
+        opt.zero_grad(set_to_none=True)
+        x, y = _batch(step)
+        F.cross_entropy(model(x, step=step + _rank() * (step > 2)), y).backward()
+        unused.append([p.grad is None for p in model.parameters()])
+        opt.step()
+    return {**_state(model), "unused": torch.tensor(unused)}
+
+
+def nested_no_sync_bucket_views_subgroup(DDP):
+    """no_sync nested in no_sync, gradient_as_bucket_view with zero_grad keeping the
+    gradients (set_to_none=False), tiny buckets, on a process group of its own."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    model = DDP(_mlp(), process_group=group, bucket_cap_mb=0.001,
+                gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    flags = []
+    for step in range(3):
+        opt.zero_grad(set_to_none=False)
+        with model.no_sync():
+            with model.no_sync():
+                x, y = _batch(step)
+                F.cross_entropy(model(x), y).backward()
+            flags.append(model.require_backward_grad_sync)
+            x, y = _batch(step + 10)
+            F.cross_entropy(model(x), y).backward()
+        flags.append(model.require_backward_grad_sync)
+        x, y = _batch(step + 20)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {**_state(model), "flags": torch.tensor(flags)}
+
+
 SCRIPTS = {f.__name__: f for f in (
     accumulate_no_sync, accumulate_require_backward_grad_sync, adamw_clip_scheduler,
     bf16_autocast, gpt_tied_weights, cnn_batchnorm, unused_parameters, uneven_inputs_join,
     uneven_inputs_join_mean_of_active_ranks, uneven_inputs_join_zero_optimizer,
-    hook_allreduce, hook_fp16_compress, hook_powersgd,
+    hook_allreduce, hook_fp16_compress, hook_powersgd, pickled_midway, deepcopied_midway,
+    sparse_embedding, static_graph_unused, static_graph_set_after_construction,
+    join_method_uneven_inputs, batchnorm_no_sync_and_eval, hook_registered_after_training,
+    buffer_arguments, sparse_embedding_uneven_inputs, hook_wrappers_and_builtin_registration,
+    unused_parameters_changing_graph, nested_no_sync_bucket_views_subgroup,
 )}

@@ -18,6 +18,13 @@ Every call follows the same recipe so that algorithms stay small:
 
 Results land in place, as with torch: ``all_reduce`` overwrites ``tensor``; ``reduce``
 overwrites it on ``dst`` only (other ranks' tensors are left as they were).
+
+Calling convention: torch's positional order (``all_reduce(tensor, op, group,
+async_op)``, ``broadcast(tensor, src, group, async_op)``, ...), so a line moved over from
+``torch.distributed`` keeps its meaning; ddpkit's own choices (``algo=``, ``check=``) are
+keyword-only. Complex tensors are handled as torch handles them: moved as their real
+view by broadcast and all_gather, summed or averaged by all_reduce (other ops on them
+raise a ValueError, as torch's do).
 """
 
 from __future__ import annotations
@@ -43,8 +50,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 _KNOWN_DTYPES = [
-    _dtype_name(d) for d in (*ops.DTYPES, torch.bool, torch.int16, torch.complex64)
+    _dtype_name(d) for d in (*ops.DTYPES, *ops.COMPLEX_DTYPES, torch.bool, torch.int16)
 ]
+
+
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    """What the algorithms move: a complex tensor's real view (same memory), else itself."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 def _as_flat(tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
@@ -252,7 +264,7 @@ def _check_op(call: _Call, op: Op, dtype: torch.dtype) -> str:
     def check() -> None:
         nonlocal name
         name = ops.op_name(op)
-        ops.check_op(name, dtype)
+        ops.check_op(name, dtype, call.collective)
 
     call.validate(check)
     call.op = name
@@ -266,20 +278,22 @@ def _avg_divisor(op: str, size: int) -> int:
 def all_reduce(
     tensor: torch.Tensor,
     op: Op = "sum",
-    algo: str = "auto",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     *,
+    algo: str = "auto",
     check: bool = True,
 ) -> Result:
     """Reduce ``tensor`` across the group in place (every rank gets the result).
 
-    ``op``: sum, product, min, max, avg (floating dtypes), band/bor/bxor (integers).
-    ``algo``: "ring", "naive_ring", "backend" (torch's own), "auto" or any registered
-    name. ``async_op=True`` returns a :class:`CommHandle`; otherwise None.
+    ``op``: sum, product, min, max, avg (floating dtypes), band/bor/bxor (integers); sum
+    and avg also on complex tensors. ``algo``: "ring", "naive_ring", "backend" (torch's
+    own), "auto" or any registered name. ``async_op=True`` returns a
+    :class:`CommHandle`; otherwise None.
     """
     _require_tensor(tensor, "tensor")
-    plain = algo == "auto" and group is None and not async_op and type(op) is str
+    plain = (algo == "auto" and group is None and not async_op and type(op) is str
+             and not tensor.is_complex())
     if plain:
         route = fast_path.lookup(tensor, op)
         if route is not None and tensor.is_contiguous() and tensor.numel():
@@ -292,7 +306,7 @@ def all_reduce(
     name = _check_op(call, op, tensor.dtype)
     call.resolve(tensor.device)
     size = call.view.size
-    flat, restore = _as_flat(tensor)
+    flat, restore = _as_flat(_real(tensor) if call.problem is None else tensor)
 
     def body(group) -> None:
         if size > 1 and (flat.numel() > 0 or call.in_band):
@@ -324,10 +338,10 @@ def reduce_scatter(
     output: torch.Tensor,
     input: torch.Tensor,
     op: Op = "sum",
-    algo: str = "auto",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     *,
+    algo: str = "auto",
     check: bool = True,
 ) -> Result:
     """Reduce ``input`` (group size x ``output.numel()`` elements) across ranks; rank i
@@ -366,10 +380,10 @@ def reduce_scatter(
 def all_gather(
     output: torch.Tensor,
     input: torch.Tensor,
-    algo: str = "auto",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     *,
+    algo: str = "auto",
     check: bool = True,
 ) -> Result:
     """Concatenate every rank's ``input`` into ``output`` (group size x ``input.numel()``
@@ -381,11 +395,12 @@ def all_gather(
         return _not_member(async_op)
     size = call.view.size
     call.shape(_dtype_name(input.dtype), input.numel(), output.numel())
-    call.validate(lambda: ops.check_dtype(input.dtype))
+    call.validate(lambda: ops.check_dtype(input.dtype, allow_complex=True))
     call.validate(lambda: _check_blocks("all_gather", output, input, size, "output", "input"))
     call.resolve(input.device)
-    flat_in, _ = _as_flat(input)
-    flat_out, restore = _as_flat(output)
+    same = call.problem is None
+    flat_in, _ = _as_flat(_real(input) if same else input)
+    flat_out, restore = _as_flat(_real(output) if same else output)
 
     def body(group) -> None:
         if size == 1:
@@ -405,23 +420,26 @@ def all_gather(
 
 def broadcast(
     tensor: torch.Tensor,
-    src: int,
-    algo: str = "auto",
+    src: int | None = None,
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    group_src: int | None = None,
     *,
+    algo: str = "auto",
     check: bool = True,
 ) -> Result:
-    """Copy ``tensor`` from global rank ``src`` to every rank of the group, in place."""
+    """Copy ``tensor`` from global rank ``src`` (or group rank ``group_src``) to every
+    rank of the group, in place."""
     _require_tensor(tensor, "tensor")
     call = _Call("broadcast", algo, group, async_op, check)
     if not call.member:
         return _not_member(async_op)
+    src = _root(call, src, group_src, "src")
     call.shape(_dtype_name(tensor.dtype), tensor.numel(), tensor.numel(), _root_code(src))
-    call.validate(lambda: ops.check_dtype(tensor.dtype))
+    call.validate(lambda: ops.check_dtype(tensor.dtype, allow_complex=True))
     call.validate(lambda: _check_root(call.view, src, "src"))
     call.resolve(tensor.device)
-    flat, restore = _as_flat(tensor)
+    flat, restore = _as_flat(_real(tensor) if call.problem is None else tensor)
 
     def body(group) -> None:
         if call.view.size > 1 and (flat.numel() > 0 or call.in_band):
@@ -439,19 +457,22 @@ def broadcast(
 
 def reduce(
     tensor: torch.Tensor,
-    dst: int,
+    dst: int | None = None,
     op: Op = "sum",
-    algo: str = "auto",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
+    group_dst: int | None = None,
     *,
+    algo: str = "auto",
     check: bool = True,
 ) -> Result:
-    """Reduce ``tensor`` across the group onto global rank ``dst`` (in place there)."""
+    """Reduce ``tensor`` across the group onto global rank ``dst`` (or group rank
+    ``group_dst``), in place there."""
     _require_tensor(tensor, "tensor")
     call = _Call("reduce", algo, group, async_op, check)
     if not call.member:
         return _not_member(async_op)
+    dst = _root(call, dst, group_dst, "dst")
     call.shape(_dtype_name(tensor.dtype), tensor.numel(), tensor.numel(), _root_code(dst))
     name = _check_op(call, op, tensor.dtype)
     call.validate(lambda: _check_root(call.view, dst, "dst"))
@@ -479,15 +500,18 @@ def reduce(
 
 def barrier(
     group: dist.ProcessGroup | None = None,
-    algo: str = "auto",
     async_op: bool = False,
+    device_ids: list[int] | None = None,
     *,
+    algo: str = "auto",
     check: bool = True,
 ) -> Result:
     """Wait until every rank of the group has called ``barrier`` (torch's ``dist.barrier``).
 
     With "auto" on one host this is one shared-memory barrier (no backend call); an
     algorithm without a barrier of its own all-reduces one element instead.
+    ``device_ids`` (torch's, for NCCL) is accepted: the barrier needs no device of its
+    own here, it runs on the group's device.
     """
     call = _Call("barrier", algo, group, async_op, check)
     if not call.member:
@@ -524,6 +548,31 @@ def _group_device(group) -> torch.device:
     """The device a backend's collectives run on: CUDA for NCCL, else the CPU."""
     backend = str(dist.get_backend(group)).lower()
     return torch.device("cuda" if backend == "nccl" else "cpu")
+
+
+def _root(call: _Call, root, group_root, what: str):
+    """torch's two ways to name a root: a global rank, or (``group_src``/``group_dst``) a
+    rank of the group. Exactly one of them."""
+    if group_root is None:
+        if root is None:
+            call.validate(lambda: _refuse(f"pass {what}= (a global rank) or group_{what}="))
+        return root
+    if root is not None:
+        call.validate(lambda: _refuse(f"pass {what}= or group_{what}=, not both"))
+        return root
+    found = root
+    def translate() -> None:
+        nonlocal found
+        if not isinstance(group_root, int) or not 0 <= group_root < call.view.size:
+            raise CommError(f"group_{what}={group_root!r} is not a rank of this group of "
+                            f"{call.view.size}")
+        found = call.view.global_rank(group_root)
+    call.validate(translate)
+    return found
+
+
+def _refuse(message: str) -> None:
+    raise CommError(message)
 
 
 def _root_code(root) -> int:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ddpkit.errors import CommError
+from ddpkit.errors import CommError, CommValueError
 
 OPS = ("sum", "product", "min", "max", "avg", "band", "bor", "bxor")
 BITWISE_OPS = ("band", "bor", "bxor")
@@ -21,6 +21,11 @@ INT_DTYPES = (torch.int8, torch.uint8, torch.int32, torch.int64)
 # The dtypes both our ring kernels and gloo reduce; others (bool, complex, int16, fp8)
 # are refused up front rather than half-supported.
 DTYPES = FLOAT_DTYPES + INT_DTYPES
+# Complex tensors travel as their real view (pairs of floats), as torch's collectives do:
+# moved by broadcast and all_gather, summed and averaged by all_reduce. Every other op
+# on them is refused, with torch's exception type (ValueError).
+COMPLEX_DTYPES = (torch.complex64, torch.complex128)
+COMPLEX_OPS = ("sum", "avg")
 
 _FROM_REDUCE_OP = {
     dist.ReduceOp.SUM: "sum",
@@ -63,14 +68,24 @@ def op_name(op: str | dist.ReduceOp) -> str:
     raise CommError(f"unknown reduce op {op!r}; use one of {', '.join(OPS)}")
 
 
-def check_dtype(dtype: torch.dtype) -> None:
-    if dtype not in DTYPES:
-        names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
-        raise CommError(f"dtype {dtype} is not supported by ddpkit.comm; use one of {names}")
+def check_dtype(dtype: torch.dtype, *, allow_complex: bool = False) -> None:
+    if dtype in DTYPES or (allow_complex and dtype in COMPLEX_DTYPES):
+        return
+    names = ", ".join(str(d).removeprefix("torch.") for d in DTYPES)
+    if dtype in COMPLEX_DTYPES:
+        raise CommError(f"dtype {dtype} is moved by broadcast/all_gather and summed by "
+                        f"all_reduce only; use one of {names} here")
+    raise CommError(f"dtype {dtype} is not supported by ddpkit.comm; use one of {names}")
 
 
-def check_op(op: str, dtype: torch.dtype) -> None:
+def check_op(op: str, dtype: torch.dtype, collective: str = "reduce") -> None:
     """Refuse (op, dtype) pairs whose result would be undefined or silently wrong."""
+    if dtype in COMPLEX_DTYPES and collective == "all_reduce":
+        if op not in COMPLEX_OPS:
+            # torch's words ("all_reduce does not support ... on complex tensors") and type
+            raise CommValueError(f"all_reduce does not support {op!r} on complex tensors "
+                                 f"({dtype}); use one of {', '.join(COMPLEX_OPS)}")
+        return
     check_dtype(dtype)
     if op in BITWISE_OPS and dtype.is_floating_point:
         raise CommError(f"op {op!r} needs an integer tensor, got {dtype}")

@@ -41,6 +41,8 @@ def data_parallel(module: nn.Module, engine: str = "ddpkit", **options: Any) -> 
         raise ConfigError(
             f"unknown data_parallel option(s) {unknown}; valid: {', '.join(_OPTIONS)}")
     if engine == "ddpkit":
+        if "broadcast_buffers" in options:  # torch 2.13's name for it (the old one warns)
+            options["forward_sync_buffers"] = options.pop("broadcast_buffers")
         return DataParallel(module, **options)
     if engine == "torch":
         if options.pop("exact", False) or options.pop("virtual_shards", None) is not None:

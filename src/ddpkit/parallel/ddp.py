@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -35,14 +37,21 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddpkit import lifetime
-from ddpkit.errors import ConfigError
+from ddpkit.errors import ConfigError, ConfigTypeError, UsageError
 from ddpkit.parallel import exact_reducer, sharded_state, torch_compat, transport
-from ddpkit.parallel.buckets import Allocator, size_limits
-from ddpkit.parallel.join_state import TorchJoinHook
+from ddpkit.parallel.buckets import MIB, Allocator, size_limits
+from ddpkit.parallel.ddp_logging import LoggingData
+from ddpkit.parallel.ddp_pickle import LazyTransport, pickled_state
+from ddpkit.parallel.join_state import ModelJoin, TorchJoinHook
 from ddpkit.parallel.reducer import CommHook, Reducer
 from ddpkit.parallel.scatter_reducer import ScatterReducer
 from ddpkit.parallel.sharding import Sharding, agree_on_mode, check_mode
+from ddpkit.parallel.sparse_grads import SparseReducer, sparse_parameters
 from ddpkit.parallel.state_sync import broadcast_coalesced, verify_same_layout
+from ddpkit.parallel.torch_compat import IGNORE_ATTRIBUTE, TorchMethods
+
+# torch DDP's: buffers and parameters are broadcast in messages of at most this size.
+BROADCAST_BUCKET_BYTES = 250 * MIB
 
 
 def _allocator_from(comm_state: object, default: Allocator) -> Allocator:
@@ -70,7 +79,7 @@ def _allocator_from(comm_state: object, default: Allocator) -> Allocator:
     return without_device
 
 
-class DataParallel(nn.Module, Joinable):
+class DataParallel(TorchMethods, nn.Module, Joinable):
     """Replicate ``module`` across the ranks of ``group`` and average gradients in backward.
 
     torch DDP's arguments (positional or keyword, same order as torch 2.13):
@@ -80,14 +89,23 @@ class DataParallel(nn.Module, Joinable):
       matters for multi-device scatter, which DDP no longer does), ``broadcast_buffers`` /
       ``forward_sync_buffers``, ``init_sync`` (False: no layout check and no initial
       broadcast), ``process_group`` (= ``group``), ``bucket_cap_mb`` (None: 25),
-      ``find_unused_parameters``;
-    * accepted with nothing to do: ``check_reduction`` (deprecated in torch),
+      ``find_unused_parameters``, ``static_graph`` (unused parameters are found in the
+      first backward and expected to stay unused, no per-step detection afterwards),
       ``gradient_as_bucket_view`` (``.grad`` is always a view into its bucket here; the
-      numbers are the same either way), ``static_graph`` (a hint for torch's reducer; ours
-      needs none), ``batched_grad_copy`` (a copy strategy; same numbers);
+      flag only chooses torch's rounding: an accumulated gradient is divided by the world
+      size, not multiplied by its inverse, as torch's reducer does with the flag);
+    * accepted with nothing to do: ``check_reduction`` (deprecated in torch),
+      ``batched_grad_copy`` (a copy strategy; same numbers);
     * refused, one line each: ``device_mesh``, ``delay_all_reduce_named_params``,
       ``param_to_hook_all_reduce``, ``mixed_precision``,
       ``skip_all_reduce_unused_params=True``, ``bucket_cap_mb_list``.
+
+    Its methods and attributes are torch DDP's (``no_sync``, ``join``, ``join_hook``,
+    ``register_comm_hook``, ``will_sync_module_buffers``, ``process_group``,
+    ``require_backward_grad_sync``, ...; docs/ddp-engine.md has the full table), it
+    pickles and deep-copies like torch's (:mod:`ddpkit.parallel.ddp_pickle`), reduces
+    sparse embedding gradients (:mod:`ddpkit.parallel.sparse_grads`), and its errors are
+    torch's exception types with ddpkit's messages.
 
     ddpkit's own options (keyword-only):
 
@@ -100,8 +118,9 @@ class DataParallel(nn.Module, Joinable):
             ``"shm"`` (buckets live in the host's shared memory; backward writes gradients
             there and the sum runs in place), or a comm hook (same as ``comm_hook=``).
         bucket_cap_mb: size cap of a gradient bucket in MiB (the first bucket is capped at
-            ``first_bucket_cap_mb``, default ``min(1, bucket_cap_mb)``).
-        broadcast_buffers: copy rank 0's buffers to every rank before each forward.
+            ``first_bucket_cap_mb``).
+        broadcast_buffers: copy rank 0's buffers to every rank before each forward that
+            follows a synchronized one (torch's rule, ``require_forward_param_sync``).
         find_unused_parameters: allow parameters that get no gradient in a backward;
             without it such a parameter raises an error naming it.
         comm_hook: ``hook(state, bucket) -> Future[Tensor]`` replacing the all-reduce of a
@@ -109,12 +128,14 @@ class DataParallel(nn.Module, Joinable):
         comm_state: passed to the hook; if it has ``allocate(numel, dtype, device)``, bucket
             storage is allocated through it.
         group: the process group to replicate over (default: the whole world).
-        first_bucket_cap_mb: cap of the first bucket (the gradients ready first).
+        first_bucket_cap_mb: cap of the first bucket (the gradients ready first); by
+            default 1 MiB, or ``bucket_cap_mb`` when that is given (torch 2.13's rule).
         initial_bucketing: layout until the first backward has shown the real gradient
             order: ``"reverse"`` (reverse registration order, size-capped buckets: overlap
             from the first step) or ``"single"`` (one bucket per device and dtype in
             registration order, reduced at the end: torch 2.x's layout, which makes results
-            bit-identical to torch DDP's at any world size).
+            bit-identical to torch DDP's at any world size; with find_unused_parameters
+            and no static graph, torch's size-capped buckets, which it never re-lays).
         shard: ``"none"`` (default), ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2):
             ``model.parameters()`` then yields this rank's flat shards, so the optimizer
             built on them holds 1/W of the state (see :mod:`ddpkit.parallel.sharding`).
@@ -167,14 +188,16 @@ class DataParallel(nn.Module, Joinable):
             )
         if isinstance(module, DataParallel):
             raise ConfigError("module is already a DataParallel; wrap the plain model once")
-        # torch's arguments first: dim, check_reduction, gradient_as_bucket_view,
-        # static_graph and batched_grad_copy need nothing here (see the class docstring).
+        # torch's arguments first: dim, check_reduction and batched_grad_copy need
+        # nothing here (see the class docstring).
         self.device_ids = None if device_ids is None else list(device_ids)
         self._input_device = torch_compat.single_device(module, device_ids, output_device)
         self.output_device = self._input_device
         self.dim = dim
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.batched_grad_copy = batched_grad_copy
+        self.bucket_bytes_cap_default = bucket_cap_mb is None
         settings = torch_compat.engine_settings(
             broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers,
             process_group=process_group, group=group, bucket_cap_mb=bucket_cap_mb,
@@ -182,11 +205,10 @@ class DataParallel(nn.Module, Joinable):
             param_to_hook_all_reduce=param_to_hook_all_reduce, mixed_precision=mixed_precision,
             device_mesh=device_mesh, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             bucket_cap_mb_list=bucket_cap_mb_list)
-        broadcast_buffers = settings["broadcast_buffers"]
         group = settings["group"]
         bucket_cap_mb = settings["bucket_cap_mb"]
         if comm_hook is not None and not callable(comm_hook):
-            raise ConfigError(
+            raise ConfigTypeError(
                 f"comm_hook must be callable as hook(state, bucket), got {comm_hook!r}")
         if callable(comm):
             if comm_hook is not None:
@@ -198,11 +220,21 @@ class DataParallel(nn.Module, Joinable):
         elif comm_hook is not None and comm != "auto":
             raise ConfigError(f"comm={comm!r} and comm_hook both choose how buckets are "
                               "reduced; pass one of them")
+        if first_bucket_cap_mb is None and not self.bucket_bytes_cap_default:
+            # torch 2.13: a bucket_cap_mb given by the user caps the first bucket too
+            # (the smaller first bucket is part of the default only)
+            first_bucket_cap_mb = bucket_cap_mb
         try:
             limits = size_limits(bucket_cap_mb, first_bucket_cap_mb)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         self.shard = check_mode(shard)
+        if exact and self.shard != "none":
+            raise ConfigError(f"exact mode sums whole gradients on every rank; shard={shard!r} "
+                              "does not combine with it (use shard='none')")
+        if virtual_shards is not None and not exact:
+            raise ConfigError("virtual_shards is exact mode's: DataParallel(model, exact=True, "
+                              "virtual_shards=V)")
         if self.shard != "none" and comm_hook is not None:
             raise ConfigError(f"shard={shard!r} reduce-scatters the buckets itself; a comm hook "
                               "needs shard='none'")
@@ -210,63 +242,152 @@ class DataParallel(nn.Module, Joinable):
             raise ConfigError(
                 f"initial_bucketing must be 'reverse' or 'single', got {initial_bucketing!r}")
         self.module = module
+        self.forward_sync_buffers = settings["broadcast_buffers"]
+        self.find_unused_parameters = find_unused_parameters
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.bucket_bytes_cap = int(bucket_cap_mb * MIB)
+        self.broadcast_bucket_size = BROADCAST_BUCKET_BYTES
+        self.mixed_precision = None
+        self.skip_all_reduce_unused_params = False
+        # torch's switch for to_kwargs' copies to an accelerator (read the same way)
+        self.use_side_stream_for_tensor_copies = (
+            os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1")
+        self.parameters_to_ignore = set(getattr(module, IGNORE_ATTRIBUTE, ()))
+        # ddpkit's options, kept so that a pickled copy builds the same engine
+        self._engine_options = {"comm": comm, "comm_hook": comm_hook, "comm_state": comm_state,
+                                "limits": limits, "initial_bucketing": initial_bucketing}
+        self._attach(group)
+        self._check_module()
+        if init_sync:
+            named_params = self._named_parameters()
+            verify_same_layout(named_params, self.named_module_buffers, group)
+            # Rank 0's initial state wins, so replicas start identical whatever seeds were used.
+            buffers = self.modules_buffers if settings["init_sync_buffers"] else []
+            broadcast_coalesced([p.detach() for _, p in named_params] + buffers, 0, group)
+        if exact:  # sums gradients itself, with its own collectives: no buckets, no transport
+            trainable = [(n, p) for n, p in self._named_parameters() if p.requires_grad]
+            exact_reducer.attach(self, module, trainable, group, virtual_shards=virtual_shards,
+                                 comm=comm, comm_hook=comm_hook,
+                                 find_unused_parameters=find_unused_parameters)
+            return
+        self._build_engine(lazy=False)
+
+    # -- construction, also run when a pickled copy is loaded ------------------------------
+
+    def _named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters()
+                if n not in self.parameters_to_ignore]
+
+    def _attach(self, group: dist.ProcessGroup | None) -> None:
+        """The process group and what follows from it and the module (no communication)."""
         self.group = group
         # torch's gloo threads must be joined before the interpreter finalizes: destroy
         # the default group at exit if the program does not (ddpkit.lifetime).
         lifetime.destroy_default_group_at_exit()
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.broadcast_buffers = broadcast_buffers
-        self.find_unused_parameters = find_unused_parameters
-        self.require_backward_grad_sync = True
-        self._sharding: Sharding | None = None
+        self._sharding: Sharding | None = None  # built with the engine
         self._join_state = None  # set by ddpkit.join while its context is open
         self._torch_join_state = None  # set by torch's Join through join_hook()
         self.exact: exact_reducer.ExactReducer | None = None  # exact mode's reducer (exact=True)
+        self.named_module_buffers = [(n, b) for n, b in self.module.named_buffers()
+                                     if n not in self.parameters_to_ignore]
+        self.modules_buffers = [b for _, b in self.named_module_buffers]
+        self._buffers_to_sync = self.modules_buffers
+        devices = {p.device for p in self.module.parameters()}
+        self.is_multi_device_module = len(devices) > 1
+        self.device = next(iter(self.module.parameters())).device if devices else None
+        self.device_type = self.device.type if self.device is not None else "cpu"
 
-        named_params = list(module.named_parameters())
-        named_buffers = list(module.named_buffers())
-        if init_sync:
-            verify_same_layout(named_params, named_buffers, group)
-            # Rank 0's initial state wins, so replicas start identical whatever seeds were used.
-            broadcast_coalesced(
-                [p.detach() for _, p in named_params] + [b for _, b in named_buffers], 0, group)
-        self._buffers_to_sync = [b for _, b in named_buffers]
-        trainable = [(n, p) for n, p in named_params if p.requires_grad]
-        if not trainable:
-            raise ConfigError("DataParallel: the module has no parameter that requires grad")
-        if exact and self.shard != "none":
-            raise ConfigError(f"exact mode sums whole gradients on every rank; shard={shard!r} "
-                              "does not combine with it (use shard='none')")
-        if exact:  # sums gradients itself, with its own collectives: no buckets, no transport
-            exact_reducer.attach(self, module, trainable, group, virtual_shards=virtual_shards,
-                                 comm=comm, comm_hook=comm_hook,
-                                 find_unused_parameters=find_unused_parameters)
-            return
-        if virtual_shards is not None:
-            raise ConfigError("virtual_shards is exact mode's: DataParallel(model, exact=True, "
-                              "virtual_shards=V)")
+    def _check_module(self) -> None:
+        """What torch refuses about the module itself, before any communication."""
+        params = [p for _, p in self._named_parameters()]
+        if not any(p.requires_grad for p in params):
+            raise UsageError(
+                "DistributedDataParallel is not needed when a module doesn't have any "
+                "parameter that requires a gradient (DataParallel: nothing to reduce; set "
+                "requires_grad on the parameters to train, or do not wrap the module)")
+        if any(isinstance(p, nn.parameter.UninitializedParameter) for p in params):
+            raise UsageError(
+                "Modules with uninitialized parameters can't be used with DataParallel "
+                "(lazy modules): run a dummy forward pass first to initialize them")
+        if self.device_type == "cpu" and any(isinstance(m, nn.SyncBatchNorm)
+                                             for m in self.module.modules()):
+            raise ConfigError("SyncBatchNorm layers only work with GPU modules; use "
+                              "nn.BatchNorm* on CPU (buffers are broadcast before forward)")
+
+    def _build_engine(self, *, lazy: bool) -> None:
+        """Reducer(s), transport and logging data for the trainable parameters."""
+        options = self._engine_options
+        trainable = [(n, p) for n, p in self._named_parameters() if p.requires_grad]
+        sparse_ids = sparse_parameters(self.module)
+        dense = [(n, p) for n, p in trainable if id(p) not in sparse_ids]
+        sparse = [(n, p) for n, p in trainable if id(p) in sparse_ids]
+        if sparse and self.shard != "none":
+            raise ConfigError(f"shard={self.shard!r} needs dense gradients; {sparse[0][0]} has "
+                              "sparse ones (nn.Embedding(sparse=True)): use shard='none'")
+        comm_hook, comm_state = options["comm_hook"], options["comm_state"]
         # A hook reduces the buckets itself: "auto" then keeps them in private memory.
-        wanted = "backend" if comm_hook is not None else comm
-        self.transport = transport.build(
-            wanted, sorted({p.device.type for _, p in trainable}), group)
-        self.comm = self.transport.name
+        wanted = "backend" if comm_hook is not None else options["comm"]
+        device_types = sorted({p.device.type for _, p in trainable})
+        group = self.group
+        if lazy and wanted in ("auto", "shm") and device_types == ["cpu"]:
+            self.transport = LazyTransport(lambda: transport.build(wanted, device_types, group))
+            allocate = self.transport.allocate
+        else:
+            self.transport = transport.build(wanted, device_types, group)
+            allocate = _allocator_from(comm_state, self.transport.allocate)
         reducer_class = ScatterReducer if self.shard == "gradients" else Reducer
         self.reducer = reducer_class(
-            [p for _, p in trainable],
-            [n for n, _ in trainable],
-            group,
-            limits_bytes=limits,
-            find_unused_parameters=find_unused_parameters,
-            comm_hook=comm_hook,
-            comm_state=comm_state,
-            allocate=_allocator_from(comm_state, self.transport.allocate),
-            initial_bucketing=initial_bucketing,
-            transport=self.transport,
+            [p for _, p in dense], [n for n, _ in dense], group,
+            limits_bytes=options["limits"],
+            find_unused_parameters=self.find_unused_parameters,
+            comm_hook=comm_hook, comm_state=comm_state, allocate=allocate,
+            initial_bucketing=options["initial_bucketing"], transport=self.transport,
+            static_graph=self.static_graph, gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
-        agree_on_mode(self.shard, group)
-        self._sharding = (None if self.shard == "none"
-                          else Sharding(self.shard, self.reducer, self.transport, group))
+        if not lazy:  # collective; a loaded copy is never sharded (ddp_pickle)
+            agree_on_mode(self.shard, group)
+        if self.shard != "none":
+            self._sharding = Sharding(self.shard, self.reducer, self.transport, group)
+        self.sparse = None
+        if sparse:
+            self.sparse = SparseReducer([p for _, p in sparse], [n for n, _ in sparse], group,
+                                        self.reducer if dense else None,
+                                        len(self.reducer.buckets))
+            self.sparse.comm_hook, self.sparse.comm_state = comm_hook, comm_state
+        self._logging = LoggingData(self, [p for _, p in trainable], self.bucket_bytes_cap)
+        self._logging.set_bucket_sizes(
+            [b.numel * b.buffer.element_size() for b in self.reducer.buckets]
+            + [p.numel() * p.element_size() for _, p in sparse])
+        self.reducer.on_event = self._logging.on_event
+
+    def __getstate__(self) -> dict:
+        return pickled_state(self)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._attach(None)
+        self._build_engine(lazy=True)
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """torch DDP's attribute: the group replicated over (the default group when none
+        was given). Looked up, not held: a model alive at exit must not keep the default
+        group, and its gloo threads, alive past its destruction (ddpkit.lifetime)."""
+        return self.group if self.group is not None else _default_group()
+
+    @property
+    def comm(self) -> str:
+        """The transport the buckets go through ("shm", "backend", "ring")."""
+        return self.transport.name
+
+    def _raise(self, error: Exception) -> NoReturn:
+        """Raise ``error``, recorded first in the logging data (as torch logs its own)."""
+        self._logging.error(next(t for t in type(error).__mro__
+                                 if t.__module__ == "builtins"), str(error))
+        raise error
 
     # -- forward -------------------------------------------------------------------------
 
@@ -277,7 +398,10 @@ class DataParallel(nn.Module, Joinable):
             self._before_forward()
         if self._input_device is not None:
             args, kwargs = torch_compat.move_inputs(self._input_device, args, kwargs)
-        return self.module(*args, **kwargs)
+        output = self.module(*args, **kwargs)
+        if self.reducer.armed:
+            self._logging.forward_end()
+        return output
 
     def _before_forward(self) -> None:
         if self._sharding is not None:
@@ -294,32 +418,47 @@ class DataParallel(nn.Module, Joinable):
         src, divisor = 0, self.world_size
         if self._join_state is not None:
             active, sync = self._join_state.exchange(self, active=True, sync=sync)
-            src = min(active)
+            src = max(active)  # torch's choice: the highest rank still training
             divisor = self._join_state.divisor(len(active))
         if sync:
+            self._logging.forward_start(self.reducer)
             self.reducer.maybe_rebuild(src)
-        self._sync_buffers(src)
-        if sync:
-            self.reducer.arm(divisor)
-        else:
-            self.reducer.disarm()
+        self._forward_buffers(src, sync)
+        for reducer in self._reducers():
+            if sync:
+                reducer.arm(divisor)
+            else:
+                reducer.disarm()
+
+    def _reducers(self) -> list:
+        return [self.reducer] if self.sparse is None else [self.reducer, self.sparse]
+
+    def _forward_buffers(self, src: int, sync: bool) -> None:
+        """torch's rule: buffers are synchronized before a forward that follows a
+        synchronized forward (or the first one), so a ``no_sync`` or ``no_grad`` forward
+        makes the next forward skip the broadcast."""
+        if self.will_sync_module_buffers():
+            self._sync_buffers(src)
+        self.require_forward_param_sync = sync
 
     def _sync_buffers(self, src: int) -> None:
         # Through the transport: the shared segment under comm="shm" (no backend call in
         # a steady-state step), torch's broadcast otherwise.
-        if self.broadcast_buffers and self._buffers_to_sync and self.world_size > 1:
+        if self.world_size > 1:
             self.transport.broadcast(self._buffers_to_sync, src, every_step=True)
 
     # -- join ----------------------------------------------------------------------------
 
     def _shadow_iteration(self, active: list[int], sync: bool, divisor: int) -> None:
         """Issue the collectives one forward+backward on the active ranks will issue."""
-        src = min(active)
+        src = max(active)
         if sync:
             self.reducer.maybe_rebuild(src)
-        self._sync_buffers(src)
+        self._forward_buffers(src, sync)
         if sync:
             self.reducer.shadow_backward(divisor)
+            if self.sparse is not None:
+                self.sparse.shadow_backward(divisor)
 
     def _sync_final_state(self, src: int) -> None:
         """After join: ranks that stopped early take the last trainer's parameters."""
@@ -330,7 +469,15 @@ class DataParallel(nn.Module, Joinable):
     # same shadowing as ddpkit.join (see ddpkit.parallel.join_state.TorchJoinHook).
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        self._logging.set("join_uneven_inputs", 1)
         return TorchJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """torch DDP's method: ``with model.join(): ...`` lets ranks with fewer batches
+        leave their loop early (torch's ``Join`` over this model; see ddpkit.join)."""
+        return ModelJoin([self], enable, throw_on_early_termination,
+                         divide_by_initial_world_size=divide_by_initial_world_size)
 
     @property
     def join_device(self) -> torch.device:
@@ -338,7 +485,7 @@ class DataParallel(nn.Module, Joinable):
 
     @property
     def join_process_group(self) -> Any:
-        return self.group if self.group is not None else dist.group.WORLD
+        return self.process_group
 
     # -- user API ------------------------------------------------------------------------
 
@@ -346,24 +493,26 @@ class DataParallel(nn.Module, Joinable):
         """torch DDP's API: reduce each bucket with ``hook(state, bucket)`` from now on.
 
         torch's own hooks (``default_hooks.allreduce_hook``, ``fp16_compress_hook``,
-        ``powerSGD_hook`` with a ``PowerSGDState``) run unchanged. Register before the
-        first forward, as with torch.
+        ``powerSGD_hook`` with a ``PowerSGDState``) run unchanged. Register once (torch's
+        rule); usually before the first forward, but later works too, as with torch.
         """
         if not callable(hook):
-            raise ConfigError(f"register_comm_hook: hook must be callable as hook(state, "
-                              f"bucket), got {hook!r}")
+            self._raise(ConfigTypeError(
+                f"register_comm_hook: hook must be callable as hook(state, bucket), got "
+                f"{hook!r} (torch: Communication hook must be callable.)"))
         if self.reducer.comm_hook is not None:
-            raise ConfigError("register_comm_hook: a comm hook is already registered; "
-                              "register it once, before the first forward")
-        if self.reducer.synced_iterations:
-            raise ConfigError("register_comm_hook: call it before the first forward/backward "
-                              "(torch DDP has the same rule)")
-        # Hooks such as PowerSGD keep per-bucket state keyed by bucket index, so the same
-        # buckets as torch DDP's give the same numbers: its layout until the first rebuild.
-        self.reducer.use_single_initial_bucket()
-        self.reducer.comm_hook = hook
-        self.reducer.comm_state = state
-
+            self._raise(UsageError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once; "
+                "a comm hook is already registered on this DataParallel"))
+        if not self.reducer.synced_iterations:
+            # Hooks such as PowerSGD keep per-bucket state keyed by bucket index, so the
+            # same buckets as torch DDP's give the same numbers: its layout until the
+            # first rebuild. (Registered later, the hook gets the buckets as they are.)
+            self.reducer.use_single_initial_bucket()
+        for reducer in self._reducers():
+            reducer.comm_hook = hook
+            reducer.comm_state = state
+        self._logging.set("comm_hook", getattr(hook, "__qualname__", repr(hook)))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -473,11 +622,32 @@ class DataParallel(nn.Module, Joinable):
         """Parameter names per gradient bucket, in the order buckets are reduced."""
         return self.reducer.bucket_sizes()
 
+    def _set_static_graph(self) -> None:
+        """Mark the graph static after construction (prefer ``static_graph=True``)."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.",
+                          stacklevel=2)
+            return
+        if self._logging.iterations:
+            self._raise(UsageError(
+                "_set_static_graph() should be called before training loop starts and after "
+                "DataParallel is constructed; pass static_graph=True to the constructor"))
+        self.static_graph = True
+        self.reducer.static_graph = True
+        if self.find_unused_parameters:
+            warnings.warn(
+                "find_unused_parameters=True is not needed with _set_static_graph(): unused "
+                "parameters are found automatically (they must stay unused)", stacklevel=2)
+
     def extra_repr(self) -> str:
         sizes = [sum(self.reducer.params[i].numel() for i in b.param_indices)
                  for b in self.reducer.buckets]
         return (f"world_size={self.world_size}, comm={self.comm}, shard={self.shard}, "
                 f"buckets={len(sizes)} (numel {sizes})")
+
+
+def _default_group() -> dist.ProcessGroup:
+    return dist.distributed_c10d._get_default_group()
 
 
 # Collectives and Python-side bookkeeping: under torch.compile they run eagerly (a graph

@@ -10,7 +10,8 @@ class GradBucket:
 
     ``buffer()`` is the flat gradient tensor: the parameters' ``.grad`` are views into it,
     so a hook that reduces it in place and returns a future of it costs no copy. A hook
-    may also return a future of another tensor of the same numel; the engine copies it in.
+    may also return a future of another tensor of the same numel (any floating dtype); the
+    engine copies it in.
     ``divisor()`` is the number the summed gradients must be divided by to get the
     average this iteration: the world size, or the number of ranks still training under
     :func:`ddpkit.join` with ``divide_by_initial_world_size=False``.
@@ -39,7 +40,11 @@ class GradBucket:
         return self._buffer
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
+        """What ``buffer()`` returns from now on (torch's semantics: the gradients are
+        untouched; what reaches them is the value of the future the hook returns). torch's
+        ``fp16_compress_wrapper`` relies on it: it swaps in a half-precision copy, and the
+        wrapped hook then reduces that."""
+        self._buffer = tensor
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self._parameters)

@@ -10,8 +10,8 @@ the bucket all-reduce. Inside ``with ddpkit.join(model):``
 * a rank that leaves the ``with`` body keeps answering that all-reduce with "not
   training" and, for every iteration the others still run, issues the same collectives
   they do (buffer broadcast, bucket all-reduces with zero gradients) until nobody trains;
-* finally every rank takes the parameters and buffers of the lowest rank that trained
-  until the end, so replicas are identical again.
+* finally every rank takes the parameters and buffers of the highest rank that
+  trained until the end (torch's choice), so replicas are identical again.
 
 Averaging while some ranks have stopped: joined ranks contribute zeros. With
 ``divide_by_initial_world_size=True`` (the default, as torch) the sum is divided by the
@@ -93,4 +93,4 @@ def _shadow_until_all_done(models: list[DataParallel], states: list[JoinState]) 
             break
     for m, state in zip(models, states):
         if len(state.last_active) < state.world_size:
-            m._sync_final_state(min(state.last_active))
+            m._sync_final_state(max(state.last_active))

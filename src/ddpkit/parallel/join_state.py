@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.algorithms.join import Join
 
 from ddpkit.errors import ConfigError
 
@@ -66,6 +67,20 @@ class TorchJoinHook:
 
     def post_hook(self, is_last_joiner: bool) -> None:
         if len(self.state.last_active) < self.state.world_size:
-            self.model._sync_final_state(min(self.state.last_active))
+            self.model._sync_final_state(max(self.state.last_active))
         self.model._join_state = None
         self.model._torch_join_state = None
+
+
+class ModelJoin(Join):
+    """torch's ``Join`` over DataParallel models (what ``model.join()`` returns): on the
+    way out, also when torch's Join raised (``throw_on_early_termination``), the models
+    forget the join, so their next forwards need no partner."""
+
+    def __exit__(self, kind, value, traceback):
+        try:
+            return super().__exit__(kind, value, traceback)
+        finally:
+            for joinable in self._joinables:
+                joinable._join_state = None
+                joinable._torch_join_state = None

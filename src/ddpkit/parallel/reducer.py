@@ -18,6 +18,14 @@ Life of one synchronized backward:
    leaves the averaged gradients in ``param.grad`` (views into the buffers). When it
    returns, ``loss.backward()`` returns.
 
+Unused parameters: without ``find_unused_parameters`` a parameter that got no gradient
+is an error (a :class:`~ddpkit.errors.UsageError`, torch's RuntimeError) naming it.
+With it, every backward all-reduces "which parameters were used" (locally used counts
+every backward since the last synchronized one, so a ``no_sync`` backward's gradients
+are reduced too) and a parameter no rank used keeps ``.grad`` None. ``static_graph``
+does that detection in the first synchronized backward only and then expects the same
+parameters to stay unused, as torch's static graph does.
+
 Averaging (default path): each rank multiplies its gradient by ``1/divisor`` while
 copying it into the bucket, then the buckets are summed, which is what torch's
 reducer does, so the results are bit-for-bit the same as torch DDP's when bucket layouts
@@ -33,7 +41,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ddpkit.errors import DdpkitError
+from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.lifetime import no_python_tls
 from ddpkit.parallel.buckets import (
     Allocator,
@@ -63,10 +71,16 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def initial_assignment(params: Sequence[torch.Tensor], limits: Sequence[int],
-                       initial_bucketing: str) -> list[list[int]]:
-    """Buckets before the first backward has shown the real gradient order."""
+                       initial_bucketing: str, *, relaid: bool = True) -> list[list[int]]:
+    """Buckets before the first backward has shown the real gradient order (``relaid``:
+    whether they will be laid out again by that order)."""
     if initial_bucketing == "reverse":
         return assign_buckets(params, list(reversed(range(len(params)))), limits)
+    if initial_bucketing == "single" and not relaid:
+        # torch's layout for good (find_unused_parameters without a static graph): buckets
+        # filled in registration order under the size limits, launched last one first.
+        filled = assign_buckets(params, list(range(len(params))), limits)
+        return sorted(filled, key=min, reverse=True)
     if initial_bucketing == "single":
         # torch >= 2.x's choice: until the real order is known, one bucket per
         # (device, dtype) in registration order, reduced after the whole backward.
@@ -88,6 +102,8 @@ class Reducer:
         allocate: Allocator = default_allocator,
         initial_bucketing: str = "reverse",
         transport: Transport | None = None,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = False,
     ):
         self.params = list(params)
         self.names = list(names)
@@ -95,27 +111,39 @@ class Reducer:
         self.world_size = dist.get_world_size(group)
         self.limits = list(limits_bytes)
         self.find_unused = find_unused_parameters
+        self.static_graph = static_graph
+        # torch's reducer scales a gradient that is already its bucket slot by dividing
+        # (only possible there with gradient_as_bucket_view) and any other by multiplying
+        # by 1/W; the two round differently when W is not a power of two.
+        self.divide_in_place = gradient_as_bucket_view
+        self.static_unused: set[int] = set()  # unused in the first static-graph backward
+        # Observers (DataParallel's logging data, its sparse gradients): on_event(name,
+        # detail) at "comm_start", "compute_end", "comm_end" and "error"; every
+        # after_backward callback (sharding's) at the end of each finalized backward, and
+        # after_next_backward() once, at the end of the next one.
+        self.on_event: Callable[[str, str], None] | None = None
+        self.after_backward: list[Callable[[], None]] = []
+        self.after_next_backward: Callable[[], None] | None = None
         self.comm_hook = comm_hook
         self.comm_state = comm_state
         self.allocate = allocate
         # how the default path sums a bucket (ddpkit.parallel.transport); None: backend
         self.transport = transport
 
-        initial = initial_assignment(self.params, self.limits, initial_bucketing)
+        initial = initial_assignment(self.params, self.limits, initial_bucketing,
+                                     relaid=self.relays)
         self.assignment = initial
         self._install(build_buckets(self.params, self.assignment, allocate))
 
         self.armed = False
         self.divisor = self.world_size
         self.ready = [False] * len(self.params)
-        self.used = [False] * len(self.params)  # got its gradient from autograd this backward
+        self.used = [False] * len(self.params)  # got a gradient since the last sync
         self.next_to_launch = 0
         self.callback_queued = False
         self.synced_iterations = 0
         self.ready_order: list[int] = []
         self.rebuilt = False
-        # called once every bucket of a synchronized backward is reduced (sharding)
-        self.after_backward: list[Callable[[], None]] = []
         # A transport whose all-reduce runs on the calling thread and returns complete
         # (shm on CPU buckets) overlaps nothing with backward when launched early: every
         # early launch is only one more point where this rank waits for its slowest peer,
@@ -142,10 +170,16 @@ class Reducer:
                 self.bucket_of[i] = bucket.index
                 self.views[i] = view
 
+    @property
+    def relays(self) -> bool:
+        """Whether buckets are laid out again by the observed gradient order (torch's
+        rule: unless unused parameters are searched for every step)."""
+        return self.static_graph or not self.find_unused
+
     def use_single_initial_bucket(self) -> None:
         """Before any backward: torch's first-iteration layout (one bucket per device and
         dtype, registration order) instead of the guessed reverse order."""
-        assignment = assign_buckets(self.params, list(range(len(self.params))), [2**62])
+        assignment = initial_assignment(self.params, self.limits, "single", relaid=self.relays)
         if assignment != self.assignment:
             self.assignment = assignment
             self._install(build_buckets(self.params, assignment, self.allocate))
@@ -155,7 +189,8 @@ class Reducer:
         return [[self.names[i] for i in b.param_indices] for b in self.buckets]
 
     def maybe_rebuild(self, src: int) -> None:
-        """Once, after the first synchronized backward: re-bucket by the observed order.
+        """Once, after the first synchronized backward (the second under a static graph):
+        re-bucket by the observed order.
 
         The order every rank uses is the one rank ``src`` (a group rank) observed: ranks
         may see gradients arrive in slightly different orders, and their buckets must be
@@ -163,7 +198,7 @@ class Reducer:
         iteration on every rank (the forward after the first synchronized backward),
         including ranks that shadow the others under join.
         """
-        if self.rebuilt or self.synced_iterations == 0 or self.find_unused:
+        if self.rebuilt or self.synced_iterations <= self._order_iteration or not self.relays:
             return
         self.rebuilt = True
         order = torch.zeros(len(self.params), dtype=torch.int64, device=self._comm_device())
@@ -199,14 +234,13 @@ class Reducer:
         self.armed = True
         self.divisor = divisor
         self.ready = [False] * len(self.params)
-        self.used = [False] * len(self.params)
         for bucket in self.buckets:
             bucket.pending = len(bucket.param_indices)
             bucket.future = None
             bucket.work = None
         self.next_to_launch = 0
         self.callback_queued = False
-        if self.synced_iterations == 0:
+        if self.synced_iterations == self._order_iteration:
             self.ready_order = []
 
     def disarm(self) -> None:
@@ -218,11 +252,26 @@ class Reducer:
 
         return hook
 
+    @property
+    def _order_iteration(self) -> int:
+        """The synchronized backward whose gradient order the rebuild follows: the first,
+        or under a static graph the second (torch's static graph reduces the whole first
+        backward at its end, so its order says nothing)."""
+        return 1 if self.static_graph else 0
+
+    @property
+    def detects_unused(self) -> bool:
+        """Whether this backward finds out which parameters no rank used."""
+        return self.find_unused or (self.static_graph and self.synced_iterations == 0)
+
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         if not self.armed:
-            return  # no_sync(), or a backward that did not go through our forward
+            # no_sync() (or a backward that did not go through our forward): the
+            # gradient accumulates locally and counts as used at the next sync.
+            self.used[i] = True
+            return
         if self.ready[i]:
-            raise DdpkitError(
+            raise self._error(
                 f"parameter {self.names[i]!r} received a gradient twice in one backward "
                 "(reentrant checkpointing, or two backward passes through one forward); "
                 "DataParallel reduces each gradient once per forward: run one backward per forward"
@@ -249,12 +298,15 @@ class Reducer:
             if grad is None:
                 view.zero_()
             elif grad.is_sparse:
-                raise DdpkitError(
-                    f"parameter {self.names[i]!r} has a sparse gradient; DataParallel reduces "
-                    "dense gradients only (use nn.Embedding(sparse=False))"
+                raise self._error(
+                    f"parameter {self.names[i]!r} got a sparse gradient but its module does "
+                    "not declare one; DataParallel reduces sparse gradients of "
+                    "nn.Embedding/nn.EmbeddingBag(sparse=True)"
                 )
             elif _same_memory(grad, view):
-                if scale:
+                if scale and self.divide_in_place:
+                    view.div_(self.divisor)
+                elif scale:
                     view.mul_(1.0 / self.divisor)
             elif scale:
                 # Copy and scale in one pass over memory (what torch's reducer does too).
@@ -266,7 +318,7 @@ class Reducer:
     def _count_ready(self, i: int) -> None:
         """Bookkeeping once parameter ``i``'s gradient is in its bucket."""
         self.ready[i] = True
-        if self.synced_iterations == 0:
+        if self.synced_iterations == self._order_iteration:
             self.ready_order.append(i)
         self.buckets[self.bucket_of[i]].pending -= 1
 
@@ -278,7 +330,15 @@ class Reducer:
             self._launch(bucket, bucket.buffer, bucket.views)
             self.next_to_launch += 1
 
+    def _error(self, message: str) -> UsageError:
+        """The error to raise, reported to the observer first (torch logs it too)."""
+        if self.on_event is not None:
+            self.on_event("error", message)
+        return UsageError(message)
+
     def _launch(self, bucket: Bucket, buffer: torch.Tensor, views: list[torch.Tensor]) -> None:
+        if self.on_event is not None:
+            self.on_event("comm_start", "")
         # Inside backward, autograd keeps a Python object in thread-local state; a Work
         # created now would capture it, and a backend thread freeing that Work at
         # interpreter exit would abort the process (ddpkit.lifetime).
@@ -294,7 +354,7 @@ class Reducer:
             )
             bucket.future = self.comm_hook(self.comm_state, grad_bucket)
             if not callable(getattr(bucket.future, "wait", None)):  # torch.futures / _C.Future
-                raise DdpkitError(
+                raise self._error(
                     f"comm_hook {getattr(self.comm_hook, '__name__', self.comm_hook)!r} returned "
                     f"{type(bucket.future).__name__}; a comm hook must return a "
                     "torch.futures.Future"
@@ -308,13 +368,17 @@ class Reducer:
     def _finalize_backward(self) -> None:
         """End-of-backward callback: every bucket reduced, every grad averaged, then return."""
         self.callback_queued = False
+        if self.on_event is not None:
+            self.on_event("compute_end", "")
         try:
             missing = [i for i, done in enumerate(self.ready) if not done]
             had_grad = {i: self.params[i].grad is not None for i in missing}
-            if missing and not self.find_unused:
-                names = ", ".join(repr(self.names[i]) for i in missing[:8])
-                more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-                raise DdpkitError(
+            detect = self.detects_unused
+            unexpected = [i for i in missing if i not in self.static_unused]
+            if unexpected and not detect:
+                names = ", ".join(repr(self.names[i]) for i in unexpected[:8])
+                more = f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""
+                raise self._error(
                     f"DataParallel: parameters got no gradient in this backward: {names}{more}. "
                     "Pass find_unused_parameters=True if the graph skips them on purpose, or "
                     "make sure the loss depends on every parameter (or set requires_grad=False)"
@@ -322,20 +386,30 @@ class Reducer:
             for i in missing:
                 self._mark_ready(i, self.params[i])
             self._launch_ready_buckets()
-            globally_used = self._reduce_used_flags() if self.find_unused else None
+            globally_used = self._reduce_used_flags() if detect else None
             for bucket in self.buckets:
                 self._wait(bucket, bucket.buffer)
-            if globally_used is not None:
-                for i in missing:
-                    # Unused on every rank and no gradient before: leave .grad as None,
-                    # like torch, so optimizers skip the parameter.
-                    if not globally_used[i] and not had_grad[i]:
-                        self.params[i].grad = None
+            if self.on_event is not None:
+                self.on_event("comm_end", "")
+            if globally_used is not None and self.static_graph and not self.find_unused:
+                self.static_unused = {i for i, used in enumerate(globally_used) if not used}
+            for i in missing:
+                # Unused on every rank and no gradient before: leave .grad as None,
+                # like torch, so optimizers skip the parameter.
+                unused = (not globally_used[i] if globally_used is not None
+                          else i in self.static_unused)
+                if unused and not had_grad[i]:
+                    self.params[i].grad = None
             self.synced_iterations += 1
             for callback in self.after_backward:
                 callback()
+            after, self.after_next_backward = self.after_next_backward, None
+            if after is not None:
+                after()
         finally:
             self.armed = False
+            self.after_next_backward = None
+            self.used = [False] * len(self.params)
 
     def _reduce_used_flags(self) -> list[bool]:
         flags = torch.tensor(self.used, dtype=torch.int32, device=self._comm_device())
@@ -371,7 +445,7 @@ class Reducer:
             bucket.future = bucket.work = None
             self._launch(bucket, zeros, views)
             self._wait(bucket, zeros)
-        if self.find_unused:
+        if self.detects_unused:
             self.used = [False] * len(self.params)
             self._reduce_used_flags()
         self.synced_iterations += 1

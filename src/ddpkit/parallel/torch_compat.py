@@ -1,21 +1,30 @@
-"""torch DistributedDataParallel's constructor arguments, mapped onto ddpkit's engine.
+"""torch DistributedDataParallel's surface, mapped onto ddpkit's engine.
 
 ``ddpkit.DataParallel`` takes torch 2.13's DDP signature so a script switches engines by
 changing one import. Each torch argument is either honoured (translated here into the
 engine's own settings) or refused with one line naming the argument, why, and what to
 use instead: silently ignoring an argument would make a script behave differently
-without saying so.
+without saying so. :class:`TorchMethods` holds torch DDP's methods that the engine
+itself does not need (scatter/gather helpers, the buffer-sync query, built-in hooks,
+torch's private debugging API), so that ``DataParallel`` carries the same names.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.utils import _to_kwargs
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from ddpkit.errors import ConfigError
+
+# Where torch's _set_params_and_buffers_to_ignore_for_model leaves the names to skip.
+IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
 
 
 class TorchArgumentError(ConfigError):
@@ -92,14 +101,26 @@ def engine_settings(
     skip_all_reduce_unused_params: bool,
     bucket_cap_mb_list: Any,
 ) -> dict[str, Any]:
-    """The engine's settings for torch's arguments; refuses those it cannot honour."""
-    if (broadcast_buffers is not None and forward_sync_buffers is not None
-            and bool(broadcast_buffers) != bool(forward_sync_buffers)):
-        raise TorchArgumentError(
-            f"broadcast_buffers={broadcast_buffers} and forward_sync_buffers="
-            f"{forward_sync_buffers} disagree (they are the same option); pass one of them")
-    sync_buffers = next((v for v in (forward_sync_buffers, broadcast_buffers) if v is not None),
-                        True)
+    """The engine's settings for torch's arguments; refuses those it cannot honour.
+
+    Buffers, as torch 2.13 reads its two arguments for them: ``forward_sync_buffers``
+    wins when given (and buffers are always part of the initial broadcast);
+    ``broadcast_buffers``, deprecated in torch (a FutureWarning, torch's words), also
+    decides whether buffers are part of the initial broadcast (False keeps rank-local
+    buffers).
+    """
+    if broadcast_buffers is not None:
+        warnings.warn(
+            "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead. "
+            "IMPORTANT: unlike `broadcast_buffers=False`, `forward_sync_buffers=False` still "
+            "syncs buffers at init." if forward_sync_buffers is None else
+            "Both `broadcast_buffers` and `forward_sync_buffers` were specified. "
+            "`broadcast_buffers` is deprecated and its value is ignored when "
+            "`forward_sync_buffers` is provided.", FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        sync_buffers, init_sync_buffers = bool(forward_sync_buffers), True
+    else:
+        sync_buffers = init_sync_buffers = broadcast_buffers is None or bool(broadcast_buffers)
     if process_group is not None and group is not None and process_group is not group:
         raise TorchArgumentError(
             "process_group and group name different groups (they are the same option); "
@@ -121,6 +142,7 @@ def engine_settings(
                "and first_bucket_cap_mb=")
     return {
         "broadcast_buffers": sync_buffers,
+        "init_sync_buffers": init_sync_buffers,
         "group": group if group is not None else process_group,
         "bucket_cap_mb": 25.0 if bucket_cap_mb is None else bucket_cap_mb,
     }
@@ -134,3 +156,72 @@ def move_inputs(device: torch.device, args: tuple, kwargs: dict) -> tuple[tuple,
         return x.to(device) if isinstance(x, torch.Tensor) else x
 
     return tree_map(to, args), tree_map(to, kwargs)
+
+
+class TorchMethods:
+    """torch DDP's methods and properties that are not the engine (a mixin of
+    DataParallel: reads its ``forward_sync_buffers``, ``require_forward_param_sync``,
+    ``modules_buffers``, ``dim``, ``device_type``, ``process_group``, ``_logging``)."""
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers (torch's method)."""
+        return (self.require_forward_param_sync and self.forward_sync_buffers
+                and len(self.modules_buffers) > 0)
+
+    def scatter(self, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
+        """torch DDP's method (torch's scatter_kwargs along ``dim``)."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def to_kwargs(self, inputs: Any, kwargs: Any, device_id: Any) -> Any:
+        """torch DDP's method: ``inputs`` and ``kwargs`` moved to ``device_id``."""
+        return _to_kwargs(inputs, kwargs, torch.device(self.device_type, device_id),
+                          self.use_side_stream_for_tensor_copies)
+
+    def gather(self, outputs: Any, output_device: Any) -> Any:
+        """torch DDP's method (torch's gather along ``dim``)."""
+        return gather(outputs, output_device, dim=self.dim)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        return self
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's built-in hooks by type: ALLREDUCE and FP16_COMPRESS."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hooks = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                 dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+        if comm_hook_type not in hooks:
+            self._raise(ConfigError(f"unknown built-in comm hook {comm_hook_type!r}"))
+        self.register_comm_hook(self.process_group, hooks[comm_hook_type])
+        self._logging.set("comm_hook", str(comm_hook_type))
+
+    # -- torch DDP's private debugging API (used by tools and by torch's own tests) -------
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(
+            module: nn.Module, params_and_buffers_to_ignore: Any) -> None:
+        """Names (``"layer.weight"``) that DataParallel neither broadcasts nor reduces."""
+        setattr(module, IGNORE_ATTRIBUTE, list(params_and_buffers_to_ignore))
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch DDP's logging dictionary (see :mod:`ddpkit.parallel.ddp_logging`)."""
+        return self._logging.snapshot()
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        if sample_rate < 1:
+            self._raise(ConfigError(
+                "DDP runtime logging sample rate should be equal or greater than 1"))
+        self._logging.set_sample_rate(sample_rate)
+
+    @property
+    def _distributed_rank(self) -> int:
+        return dist.get_rank(self.process_group)

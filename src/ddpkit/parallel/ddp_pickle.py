@@ -1,0 +1,93 @@
+"""Pickling a DataParallel: ``torch.save(model)``, ``torch.load``, ``copy.deepcopy(model)``.
+
+What torch's DistributedDataParallel does, and so what DataParallel does: the pickled
+state is the wrapper's settings and the wrapped module; the live machinery (the process
+group handle, the reducer with its autograd hooks and buckets, the transport with its
+shared-memory segment, the logging data) is left out and built again when the object is
+loaded, against the default process group. Only a model built on the default group can
+be pickled (torch raises RuntimeError for any other group, and so does DataParallel).
+A comm hook given to the constructor (``comm_hook=``/``comm=hook``) travels with the
+settings; one registered later with ``register_comm_hook`` does not, as with torch.
+
+Loading must not communicate (one rank may deep-copy a model alone), but setting up
+shared memory is collective. So a copy whose transport was chosen collectively (``comm=
+"auto"`` or ``"shm"`` on CPU) gets a :class:`LazyTransport`: its buckets stay in private
+memory and the transport is created at its first collective (the first forward that
+synchronizes buffers or gradients), which every rank reaches together anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.errors import UsageError
+from ddpkit.parallel.buckets import default_allocator
+
+# Live objects that are rebuilt on load rather than pickled.
+TRANSIENT = ("reducer", "sparse", "transport", "process_group", "group", "_logging",
+             "_join_state", "_torch_join_state", "_buffers_to_sync", "_sharding")
+
+
+def pickled_state(model: Any) -> dict:
+    """``__getstate__``: the settings and the module, without the live machinery."""
+    group = model.group
+    default = dist.distributed_c10d._get_default_group()
+    if group is not None and group is not default:
+        raise UsageError(
+            "DDP Pickling/Unpickling are only supported when using DDP with the default "
+            "process group; this DataParallel was built on another group (pickle the "
+            "wrapped module, model.module, instead)")
+    if model.shard != "none":
+        # The optimizer holds this rank's shards of the live model; a copy would cut new
+        # ones that no optimizer holds.
+        raise UsageError(
+            f"a DataParallel(shard={model.shard!r}) cannot be pickled or copied: pickle "
+            "model.module (after model.gather_parameters()) or use shard='none'")
+    if model.exact is not None:
+        # The exact reducer's rows and random streams belong to the live run.
+        raise UsageError("a DataParallel(exact=True) cannot be pickled or copied: pickle "
+                         "model.module instead")
+    state = dict(model.__dict__)
+    for key in TRANSIENT:
+        state.pop(key, None)
+    return state
+
+
+class LazyTransport:
+    """A transport whose (collective) creation waits for its first collective."""
+
+    reduces_inline = False  # the reducer launches buckets as they fill
+
+    def __init__(self, build: Callable[[], Any]):
+        self._build = build
+        self._real = None
+
+    @property
+    def name(self) -> str:
+        return self._real.name if self._real is not None else "pending"
+
+    def _transport(self):
+        if self._real is None:
+            self._real = self._build()
+        return self._real
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return default_allocator(numel, dtype, device)
+
+    def all_reduce(self, buffer: torch.Tensor):
+        return self._transport().all_reduce(buffer)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int, *,
+                  every_step: bool = False) -> None:
+        self._transport().broadcast(tensors, src, every_step=every_step)
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._transport().sum_(tensor)
+
+    def close(self) -> None:
+        if self._real is not None:
+            self._real.close()
