@@ -270,6 +270,8 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
             exact_reducer.attach(self, module, trainable, group, virtual_shards=virtual_shards,
                                  comm=comm, comm_hook=comm_hook,
                                  find_unused_parameters=find_unused_parameters)
+            self.sparse = None
+            self._logging = LoggingData(self, [p for _, p in trainable], self.bucket_bytes_cap)
             return
         self._build_engine(lazy=False)
 

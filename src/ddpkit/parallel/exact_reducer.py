@@ -386,9 +386,8 @@ def attach(model: Any, module: nn.Module, trainable: Sequence[tuple[str, nn.Para
         raise ConfigError("exact mode sums gradients itself; pass no comm hook")
     reducer = ExactReducer(module, trainable, group, virtual_shards=virtual_shards,
                            comm=comm, find_unused_parameters=find_unused_parameters)
-    model.exact = model.reducer = model.transport = reducer
-    model.comm = reducer.name
-    model.broadcast_buffers = False
+    model.exact = model.reducer = model.transport = reducer  # model.comm reads its name
+    model.forward_sync_buffers = False
 
 
 __all__ = ["EXACT_DTYPES", "ExactReducer", "attach", "refuse_running_statistics"]
