@@ -1,7 +1,7 @@
 """Who reads which samples: the tutorial's DataPartitioner and a resumable ShardSampler.
 
-``DataPartitioner`` is the helper of PyTorch's distributed tutorial: shuffle the indices once with a seeded
-``random.Random`` and cut them into fractional partitions; ``use(i)`` is a view.
+``DataPartitioner`` is the helper of PyTorch's distributed tutorial: shuffle the indices
+once with a seeded ``random.Random`` and cut them into fractional partitions; ``use(i)`` is a view.
 
 ``ShardSampler`` is what a data-parallel loop needs on top of that:
 

@@ -1,4 +1,5 @@
-"""The training loop: the synchronous SGD of PyTorch's distributed tutorial, with the parts a real run needs.
+"""The training loop: the synchronous SGD of PyTorch's distributed tutorial, with the parts
+a real run needs.
 
 Each epoch every rank trains on its shard of the global batches (ShardSampler), the
 engine averages gradients, then every rank evaluates its shard of the test set and the
