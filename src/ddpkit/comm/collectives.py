@@ -39,18 +39,15 @@ from ddpkit import lifetime
 from ddpkit.comm import agreement, fast_path, groups, lanes, ops, registry
 from ddpkit.comm.agreement import CallSignature
 from ddpkit.comm.lanes import CommHandle
+from ddpkit.comm.ops import dtype_label
 from ddpkit.errors import CommError
 
 Op = str | dist.ReduceOp
 Result = CommHandle | None
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 _KNOWN_DTYPES = [
-    _dtype_name(d) for d in (*ops.DTYPES, *ops.COMPLEX_DTYPES, torch.bool, torch.int16)
+    dtype_label(d) for d in (*ops.DTYPES, *ops.COMPLEX_DTYPES, torch.bool, torch.int16)
 ]
 
 
@@ -271,10 +268,6 @@ def _check_op(call: _Call, op: Op, dtype: torch.dtype) -> str:
     return name
 
 
-def _avg_divisor(op: str, size: int) -> int:
-    return size if op == "avg" else 1
-
-
 def all_reduce(
     tensor: torch.Tensor,
     op: Op = "sum",
@@ -302,7 +295,7 @@ def all_reduce(
     call = _Call("all_reduce", algo, group, async_op, check)
     if not call.member:
         return _not_member(async_op)
-    call.shape(_dtype_name(tensor.dtype), tensor.numel(), tensor.numel())
+    call.shape(dtype_label(tensor.dtype), tensor.numel(), tensor.numel())
     name = _check_op(call, op, tensor.dtype)
     call.resolve(tensor.device)
     size = call.view.size
@@ -352,7 +345,7 @@ def reduce_scatter(
     if not call.member:
         return _not_member(async_op)
     size = call.view.size
-    call.shape(_dtype_name(input.dtype), input.numel(), output.numel())
+    call.shape(dtype_label(input.dtype), input.numel(), output.numel())
     name = _check_op(call, op, input.dtype)
     call.validate(lambda: _check_blocks("reduce_scatter", input, output, size, "input", "output"))
     call.resolve(input.device)
@@ -394,7 +387,7 @@ def all_gather(
     if not call.member:
         return _not_member(async_op)
     size = call.view.size
-    call.shape(_dtype_name(input.dtype), input.numel(), output.numel())
+    call.shape(dtype_label(input.dtype), input.numel(), output.numel())
     call.validate(lambda: ops.check_dtype(input.dtype, allow_complex=True))
     call.validate(lambda: _check_blocks("all_gather", output, input, size, "output", "input"))
     call.resolve(input.device)
@@ -435,7 +428,7 @@ def broadcast(
     if not call.member:
         return _not_member(async_op)
     src = _root(call, src, group_src, "src")
-    call.shape(_dtype_name(tensor.dtype), tensor.numel(), tensor.numel(), _root_code(src))
+    call.shape(dtype_label(tensor.dtype), tensor.numel(), tensor.numel(), _root_code(src))
     call.validate(lambda: ops.check_dtype(tensor.dtype, allow_complex=True))
     call.validate(lambda: _check_root(call.view, src, "src"))
     call.resolve(tensor.device)
@@ -473,7 +466,7 @@ def reduce(
     if not call.member:
         return _not_member(async_op)
     dst = _root(call, dst, group_dst, "dst")
-    call.shape(_dtype_name(tensor.dtype), tensor.numel(), tensor.numel(), _root_code(dst))
+    call.shape(dtype_label(tensor.dtype), tensor.numel(), tensor.numel(), _root_code(dst))
     name = _check_op(call, op, tensor.dtype)
     call.validate(lambda: _check_root(call.view, dst, "dst"))
     call.resolve(tensor.device)

@@ -25,6 +25,11 @@ DTYPES = FLOAT_DTYPES + INT_DTYPES
 # moved by broadcast and all_gather, summed and averaged by all_reduce. Every other op
 # on them is refused, with torch's exception type (ValueError).
 COMPLEX_DTYPES = (torch.complex64, torch.complex128)
+
+
+def dtype_label(dtype) -> str:
+    """"float32" for torch.float32; "-" for no dtype (a barrier)."""
+    return "-" if dtype is None else str(dtype).removeprefix("torch.")
 COMPLEX_OPS = ("sum", "avg")
 
 _FROM_REDUCE_OP = {

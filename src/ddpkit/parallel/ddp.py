@@ -1,6 +1,6 @@
 """DataParallel: ddpkit's own distributed data-parallel engine.
 
-Contract with the user, the same as torch's DistributedDataParallel (seed 001):
+Contract with the user, the same as torch's DistributedDataParallel:
 
 * The constructor is a synchronization point. It checks that every rank built the same
   model and copies rank 0's parameters and buffers to everyone, so replicas start equal.
@@ -622,7 +622,7 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
 
     def bucket_layout(self) -> list[list[str]]:
         """Parameter names per gradient bucket, in the order buckets are reduced."""
-        return self.reducer.bucket_sizes()
+        return self.reducer.bucket_names()
 
     def _set_static_graph(self) -> None:
         """Mark the graph static after construction (prefer ``static_graph=True``)."""

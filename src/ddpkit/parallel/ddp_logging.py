@@ -37,7 +37,7 @@ def _env(name: str) -> str:
     return os.environ.get(name, "N/A")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def _cpp_dtype_name(dtype: torch.dtype) -> str:
     # torch's C++ names: float, double, c10::Half, c10::BFloat16, long int, ...
     return {torch.float32: "float", torch.float64: "double"}.get(
         dtype, str(dtype).removeprefix("torch."))
@@ -77,7 +77,7 @@ class LoggingData:
             "iteration": 0,
             "num_parameter_tensors": len(params),
             "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
-            "dtypes": ", ".join(sorted({_dtype_name(p.dtype) for p in params})),
+            "dtypes": ", ".join(sorted({_cpp_dtype_name(p.dtype) for p in params})),
             "bucket_sizes": "",
             "master_port": _env("MASTER_PORT"),
             "master_addr": _env("MASTER_ADDR"),

@@ -259,7 +259,7 @@ class ExactReducer:
     def maybe_rebuild(self, src: int) -> None:
         """No buckets to re-assign."""
 
-    def bucket_sizes(self) -> list[list[str]]:
+    def bucket_names(self) -> list[list[str]]:
         return [list(self.names)]
 
     def use_single_initial_bucket(self) -> None:

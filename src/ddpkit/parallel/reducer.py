@@ -101,7 +101,7 @@ class Reducer:
         comm_state: object,
         allocate: Allocator = default_allocator,
         initial_bucketing: str = "reverse",
-        transport: Transport | None = None,
+        transport: Transport,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = False,
     ):
@@ -127,7 +127,7 @@ class Reducer:
         self.comm_hook = comm_hook
         self.comm_state = comm_state
         self.allocate = allocate
-        # how the default path sums a bucket (ddpkit.parallel.transport); None: backend
+        # how the default path sums a bucket (ddpkit.parallel.transport)
         self.transport = transport
 
         initial = initial_assignment(self.params, self.limits, initial_bucketing,
@@ -184,7 +184,7 @@ class Reducer:
             self.assignment = assignment
             self._install(build_buckets(self.params, assignment, self.allocate))
 
-    def bucket_sizes(self) -> list[list[str]]:
+    def bucket_names(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order (for logs and tests)."""
         return [[self.names[i] for i in b.param_indices] for b in self.buckets]
 
@@ -360,10 +360,8 @@ class Reducer:
                     "torch.futures.Future"
                 )
         elif self.world_size > 1:
-            if self.transport is None:
-                bucket.work = dist.all_reduce(buffer, group=self.group, async_op=True)
-            else:  # a handle to wait for, or None when the sum is done already (shm)
-                bucket.work = self.transport.all_reduce(buffer)
+            # a handle to wait for, or None when the sum is done already (shm)
+            bucket.work = self.transport.all_reduce(buffer)
 
     def _finalize_backward(self) -> None:
         """End-of-backward callback: every bucket reduced, every grad averaged, then return."""
@@ -454,3 +452,4 @@ class Reducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+

@@ -51,6 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpkit.checkpoint import Checkpointer, CheckpointError
+from ddpkit.checkpoint.model_state import unwrap
 from ddpkit.data.datasets import ArrayDataset
 from ddpkit.data.partition import ShardBatch, ShardSampler
 from ddpkit.durable import DiskFullError, free_bytes, is_disk_full
@@ -72,10 +73,6 @@ from ddpkit.world import World
 log = get_logger(__name__)
 
 Wrap = Callable[[nn.Module, str, torch.device], nn.Module]
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)
 
 
 @dataclass

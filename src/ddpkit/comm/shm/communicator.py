@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import groups, ops
+from ddpkit.comm.ops import dtype_label
 from ddpkit.comm.shm import hierarchical, segment
 from ddpkit.comm.shm.collectives import SMALL_BYTES, ShmCollectives
-from ddpkit.comm.shm.signature import describe_call, dtype_label, signature_word
+from ddpkit.comm.shm.signature import describe_call, signature_word
 from ddpkit.comm.shm.sync import META_WORDS, Control, block_bytes, memory_model_ok
 from ddpkit.errors import CommError
 from ddpkit.log import get_logger

@@ -14,12 +14,7 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduc
 _NONE = 15  # op "-" (no op), or a dtype shm cannot name
 
 
-def dtype_label(dtype) -> str:
-    """"float32" for torch.float32; "-" for no dtype (a barrier)."""
-    return "-" if dtype is None else str(dtype).removeprefix("torch.")
-
-
-_DTYPE_NAMES = tuple(dtype_label(d) for d in ops.DTYPES)
+_DTYPE_NAMES = tuple(ops.dtype_label(d) for d in ops.DTYPES)
 
 
 def signature_word(collective: str, dtype: str, op: str, root: int = -1,
