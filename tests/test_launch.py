@@ -60,7 +60,9 @@ def test_failing_rank_reported_once(tmp_path):
     assert proc.returncode != 0
     both = proc.stdout + proc.stderr
     assert both.count("ValueError: boom-on-rank-1") == 1, both[-3000:]
-    assert "ddpkit launch: rank 1 failed first (exit code 1" in proc.stderr
+    # Exit code 1, or SIGTERM when the agent stopped rank 1 while it was still winding
+    # down after rank 0 had already seen the connection drop: rank 1 is the cause either way.
+    assert "ddpkit launch: rank 1 failed first (" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_missing_script_is_one_line():
@@ -90,10 +92,11 @@ def test_multinode_argv_marks_local_endpoint_as_host():
         torchrun_argv(LaunchOptions(nnodes="2", rdzv_endpoint="nohostport"), 1)
 
 
-def _failure(exitcode, timestamp=100, message=""):
+def _failure(exitcode, timestamp=100, message="", recorded=False):
     from types import SimpleNamespace
 
-    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, message=message)
+    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, message=message,
+                           error_file_data={"message": message} if recorded else {})
 
 
 def test_root_cause_is_the_killed_rank_not_the_survivor_the_agent_stopped():
@@ -114,6 +117,30 @@ def test_root_cause_prefers_the_raiser_over_peers_that_lost_it():
     assert root_cause(failures)[0] == 1
     # An earlier failure still wins over a later one, whatever its kind.
     failures[0] = _failure(1, timestamp=99, message="Connection closed by peer")
+    assert root_cause(failures)[0] == 0
+
+
+def test_root_cause_is_the_raiser_even_when_the_agent_stopped_it_while_it_wound_down(capsys):
+    from ddpkit.launch import report_failure, root_cause
+
+    # Rank 1 raised and recorded it; rank 0 saw the connection drop and exited first, so
+    # the agent SIGTERMed rank 1 during its interpreter shutdown (seen in CI).
+    failures = {0: _failure(1, message="Connection closed by peer", recorded=True),
+                1: _failure(-15, message="ValueError: boom", recorded=True)}
+    assert root_cause(failures)[0] == 1
+    for rank, failure in failures.items():
+        failure.local_rank, failure.pid = rank, 1000 + rank
+    assert report_failure(failures, "default") == 1
+    line = capsys.readouterr().err.strip()
+    assert line == ("ddpkit launch: rank 1 failed first (then stopped by SIGTERM, pid 1001); "
+                    "its traceback is above, prefixed [default1]; ranks [0] failed after it")
+    # The other way round: rank 1 exited first, and rank 0, whose barrier broke, was
+    # SIGTERMed after recording that; the lost connection is still not the cause.
+    failures = {0: _failure(-15, message="Connection closed by peer", recorded=True),
+                1: _failure(1, message="ValueError: boom", recorded=True)}
+    assert root_cause(failures)[0] == 1
+    # Without a recorded exception a SIGTERMed rank is a survivor the agent stopped.
+    failures[1] = _failure(-15)
     assert root_cause(failures)[0] == 0
 
 

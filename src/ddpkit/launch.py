@@ -197,7 +197,7 @@ def report_failure(failures: dict, role: str) -> int:
     rank, failure = root_cause(failures)
     others = sorted(r for r in failures if r != rank)
     also = f"; ranks {others} failed after it" if others else ""
-    if failure.exitcode < 0:  # killed by a signal: there is no traceback to point at
+    if failure.exitcode < 0 and not _recorded(failure):  # no traceback to point at
         what = (f"was killed by {signal.Signals(-failure.exitcode).name} "
                 f"(pid {failure.pid}; out of memory or killed from outside?)")
     else:
@@ -205,7 +205,9 @@ def report_failure(failures: dict, role: str) -> int:
         # Exit 2 is a DdpkitError's one line (errors.install_one_line_errors) or a
         # script's own usage error: a message, not a traceback.
         said = "message" if failure.exitcode == 2 else "traceback"
-        what = (f"failed first (exit code {failure.exitcode}, pid {failure.pid}); its "
+        code = (f"exit code {failure.exitcode}" if failure.exitcode >= 0 else
+                f"then stopped by {signal.Signals(-failure.exitcode).name}")
+        what = (f"failed first ({code}, pid {failure.pid}); its "
                 f"{said} is above, prefixed {prefix}")
     print(f"ddpkit launch: rank {rank} {what}{also}", file=sys.stderr, flush=True)
     return failure.exitcode if failure.exitcode > 0 else 1
@@ -400,6 +402,15 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset", "Broken pipe", "D
               "DistNetworkError")
 
 
+def _recorded(failure) -> bool:
+    """Whether the rank wrote its own exception to its error file (``@record``).
+
+    Such a rank raised by itself: the agent's SIGTERM may still reach it while the
+    interpreter winds down, after its peers already saw the connection drop and exited.
+    """
+    return bool(getattr(failure, "error_file_data", {}).get("message"))
+
+
 def root_cause(failures: dict) -> tuple[int, object]:
     """The failure that caused the others.
 
@@ -413,8 +424,10 @@ def root_cause(failures: dict) -> tuple[int, object]:
     def key(item):
         rank, failure = item
         message = str(getattr(failure, "message", ""))
-        stopped_by_agent = failure.exitcode == -signal.SIGTERM
-        killed_by_signal = failure.exitcode < 0 and not stopped_by_agent
+        # A rank that recorded its exception ended by itself, whatever signal came after.
+        signalled = failure.exitcode < 0 and not _recorded(failure)
+        stopped_by_agent = signalled and failure.exitcode == -signal.SIGTERM
+        killed_by_signal = signalled and not stopped_by_agent
         return (stopped_by_agent, not killed_by_signal, failure.timestamp,
                 any(p in message for p in _PEER_GONE), rank)
 
