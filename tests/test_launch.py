@@ -96,7 +96,7 @@ def _failure(exitcode, timestamp=100, message="", recorded=False):
     from types import SimpleNamespace
 
     return SimpleNamespace(exitcode=exitcode, timestamp=timestamp, message=message,
-                           error_file_data={"message": message} if recorded else {})
+                           error_file_data={"message": message if recorded else "<NONE>"})
 
 
 def test_root_cause_is_the_killed_rank_not_the_survivor_the_agent_stopped():
@@ -139,6 +139,13 @@ def test_root_cause_is_the_raiser_even_when_the_agent_stopped_it_while_it_wound_
     failures = {0: _failure(-15, message="Connection closed by peer", recorded=True),
                 1: _failure(1, message="ValueError: boom", recorded=True)}
     assert root_cause(failures)[0] == 1
+    # torch's own record of a rank that wrote no error file reads as not recorded.
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from ddpkit.launch import _recorded
+
+    assert not _recorded(ProcessFailure(local_rank=0, pid=1, exitcode=-15,
+                                        error_file="/nonexistent/error.json"))
     # Without a recorded exception a SIGTERMed rank is a survivor the agent stopped.
     failures[1] = _failure(-15)
     assert root_cause(failures)[0] == 0

@@ -402,13 +402,18 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset", "Broken pipe", "D
               "DistNetworkError")
 
 
+# What torch's ProcessFailure holds as the message when the rank wrote no error file.
+_NO_ERROR_FILE = "<NONE>"
+
+
 def _recorded(failure) -> bool:
     """Whether the rank wrote its own exception to its error file (``@record``).
 
     Such a rank raised by itself: the agent's SIGTERM may still reach it while the
     interpreter winds down, after its peers already saw the connection drop and exited.
     """
-    return bool(getattr(failure, "error_file_data", {}).get("message"))
+    message = getattr(failure, "error_file_data", {}).get("message")
+    return message not in (None, "", _NO_ERROR_FILE)
 
 
 def root_cause(failures: dict) -> tuple[int, object]:
