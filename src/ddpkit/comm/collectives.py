@@ -300,21 +300,8 @@ def all_reduce(
     call.resolve(tensor.device)
     size = call.view.size
     flat, restore = _as_flat(_real(tensor) if call.problem is None else tensor)
-
-    def body(group) -> None:
-        if size > 1 and (flat.numel() > 0 or call.in_band):
-            call.invoke(flat, call.wire(name), group)
-
-    def finish() -> torch.Tensor:
-        if call.divides(name):
-            flat.div_(size)
-        restore()
-        return tensor
-
-    def backend_async():
-        return call.impl.all_reduce(flat, call.wire(name), group, async_op=True)
-
-    result = call.run(tensor.device, body, backend_async, finish)
+    result = _execute(call, tensor.device, (flat,), op=name, reduced=flat,
+                      restore=restore, result=tensor)
     if plain and call.in_band and size > 1:
         # validated, resolved and checked in-band: the same call can go straight there
         method, wire = call.method, call.wire(name)
@@ -351,23 +338,8 @@ def reduce_scatter(
     call.resolve(input.device)
     flat_in, _ = _as_flat(input)
     flat_out, restore = _as_flat(output)
-
-    def body(group) -> None:
-        if size == 1:
-            flat_out.copy_(flat_in)
-        elif flat_out.numel() > 0 or call.in_band:
-            call.invoke(flat_out, flat_in, call.wire(name), group)
-
-    def finish() -> torch.Tensor:
-        if call.divides(name):
-            flat_out.div_(size)
-        restore()
-        return output
-
-    def backend_async():
-        return call.impl.reduce_scatter(flat_out, flat_in, call.wire(name), group, async_op=True)
-
-    return call.run(input.device, body, backend_async, finish)
+    return _execute(call, input.device, (flat_out, flat_in), op=name, reduced=flat_out,
+                    restore=restore, result=output, alone=lambda: flat_out.copy_(flat_in))
 
 
 def all_gather(
@@ -394,21 +366,8 @@ def all_gather(
     same = call.problem is None
     flat_in, _ = _as_flat(_real(input) if same else input)
     flat_out, restore = _as_flat(_real(output) if same else output)
-
-    def body(group) -> None:
-        if size == 1:
-            flat_out.copy_(flat_in)
-        elif flat_out.numel() > 0 or call.in_band:
-            call.invoke(flat_out, flat_in, group)
-
-    def finish() -> torch.Tensor:
-        restore()
-        return output
-
-    def backend_async():
-        return call.impl.all_gather(flat_out, flat_in, group, async_op=True)
-
-    return call.run(input.device, body, backend_async, finish)
+    return _execute(call, input.device, (flat_out, flat_in), restore=restore, result=output,
+                    alone=lambda: flat_out.copy_(flat_in))
 
 
 def broadcast(
@@ -433,19 +392,7 @@ def broadcast(
     call.validate(lambda: _check_root(call.view, src, "src"))
     call.resolve(tensor.device)
     flat, restore = _as_flat(_real(tensor) if call.problem is None else tensor)
-
-    def body(group) -> None:
-        if call.view.size > 1 and (flat.numel() > 0 or call.in_band):
-            call.invoke(flat, src, group)
-
-    def finish() -> torch.Tensor:
-        restore()
-        return tensor
-
-    def backend_async():
-        return call.impl.broadcast(flat, src, group, async_op=True)
-
-    return call.run(tensor.device, body, backend_async, finish)
+    return _execute(call, tensor.device, (flat, src), restore=restore, result=tensor)
 
 
 def reduce(
@@ -470,25 +417,11 @@ def reduce(
     name = _check_op(call, op, tensor.dtype)
     call.validate(lambda: _check_root(call.view, dst, "dst"))
     call.resolve(tensor.device)
-    size = call.view.size
     flat, restore = _as_flat(tensor)
+    # Only the destination's tensor holds the result; the others' stay as they were.
     is_dst = call.problem is None and call.view.global_rank(call.view.rank) == dst
-
-    def body(group) -> None:
-        if size > 1 and (flat.numel() > 0 or call.in_band):
-            call.invoke(flat, dst, call.wire(name), group)
-
-    def finish() -> torch.Tensor:
-        if is_dst:
-            if call.divides(name):
-                flat.div_(size)
-            restore()
-        return tensor
-
-    def backend_async():
-        return call.impl.reduce(flat, dst, call.wire(name), group, async_op=True)
-
-    return call.run(tensor.device, body, backend_async, finish)
+    return _execute(call, tensor.device, (flat, dst), op=name, reduced=flat,
+                    restore=restore if is_dst else _nothing, result=tensor, lands=is_dst)
 
 
 def barrier(
@@ -512,15 +445,49 @@ def barrier(
     call.shape("-", 0, 0)
     device = _group_device(group)
     call.resolve(device, fallback=_token_barrier(device))
-    def body(group) -> None:
-        if call.view.size > 1:
-            call.invoke(group)
+    return _execute(call, device, (), restore=_nothing, result=None)
 
-    def finish() -> None:
-        return None
+
+def _nothing() -> None:
+    pass
+
+
+def _execute(
+    call: _Call, device: torch.device, operands: tuple, *, restore: Callable[[], None],
+    result: torch.Tensor | None, op: str | None = None, reduced: torch.Tensor | None = None,
+    alone: Callable[[], object] | None = None, lands: bool = True,
+) -> Result:
+    """What every collective does once its call is validated and resolved.
+
+    ``operands`` are what the algorithm's method takes before the op and the group (flat
+    tensors, a root); ``op`` is the reduction, if any: the algorithm gets its wire form
+    and an "avg" it could not divide is divided here, in ``reduced``, on ranks the
+    result ``lands`` on. ``alone`` is what a group of one does (a copy between two
+    buffers); otherwise such a call does nothing. ``restore`` copies a result back into
+    a non-contiguous caller tensor; ``result`` is what a handle's future yields.
+    """
+    size = call.view.size
+    has_payload = not operands or not isinstance(operands[0], torch.Tensor) or (
+        operands[0].numel() > 0)
+
+    def args() -> tuple:  # the wire op is known only once the call has agreed
+        return operands if op is None else (*operands, call.wire(op))
+
+    def body(group) -> None:
+        if size == 1:
+            if alone is not None:
+                alone()
+        elif has_payload or call.in_band:
+            call.invoke(*args(), group)
+
+    def finish() -> torch.Tensor | None:
+        if lands and op is not None and call.divides(op):
+            reduced.div_(size)
+        restore()
+        return result
 
     def backend_async():
-        return call.impl.barrier(group, async_op=True)
+        return getattr(call.impl, call.collective)(*args(), call.group, async_op=True)
 
     return call.run(device, body, backend_async, finish)
 
