@@ -60,6 +60,7 @@ LAYERS = {
     "test_exact.py": MULTIPROCESS,
     "test_fault.py": MULTIPROCESS,
     "test_lifetime.py": MULTIPROCESS,
+    "test_loop_rank0.py": MULTIPROCESS,
     "test_logging.py": MULTIPROCESS,
     "test_plan.py": MULTIPROCESS,
     "test_runtime.py": MULTIPROCESS,

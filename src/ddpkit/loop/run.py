@@ -72,6 +72,7 @@ from ddpkit.fault import PreemptionGuard, ProgressBoard, Watchdog, set_collectiv
 from ddpkit.log import get_logger
 from ddpkit.loop import inject
 from ddpkit.loop.metrics_log import MetricLog, check_writers, peak_rss_mib, truncate_records
+from ddpkit.loop.rank0 import cannot_create, decide_on_rank0
 from ddpkit.loop.sample_ids import SampleLog, truncate_sample_logs
 from ddpkit.parallel.exact_reducer import ExactReducer
 from ddpkit.runtime import DEFAULT_TIMEOUT
@@ -287,20 +288,19 @@ class Run:
     def _agree_on_directory(self) -> str:
         """Rank 0 creates the directory; every rank learns a token naming this attempt's
         progress keys in the store, or every rank raises rank 0's error."""
-        proposal: list[str | None] = [uuid.uuid4().hex[:12], None]
-        if self.is_main and self.dir is not None:
-            try:
-                self.dir.mkdir(parents=True, exist_ok=True)
-            except OSError as err:
-                proposal[1] = f"run directory {self.dir}: cannot create it ({err.strerror or err})"
-        if _initialized() and self.world_size > 1:
-            dist.broadcast_object_list(proposal, src=0)
-        if proposal[1] is not None:
-            raise ConfigError(proposal[1])
-        return str(proposal[0])
+        def create() -> str:
+            if self.dir is not None:
+                try:
+                    self.dir.mkdir(parents=True, exist_ok=True)
+                except OSError as err:
+                    raise cannot_create(self.dir, err) from None
+            return uuid.uuid4().hex[:12]
+
+        return str(decide_on_rank0(create, is_main=self.is_main, world_size=self.world_size))
 
     @contextlib.contextmanager
-    def _guarded(self, name: str) -> Iterator[None]:
+    def guarded(self, name: str) -> Iterator[None]:
+        """The watchdog's guard around a collective section ``name`` of this step."""
         with self.watchdog.guard(self.step, name) if self.watchdog else contextlib.nullcontext():
             yield
 
@@ -331,7 +331,7 @@ class Run:
     def _restore(self, *, quiet: bool, required: bool = False) -> dict[str, Any] | None:
         self._restore_done = True
         if self.checkpointer is None:
-            self._sync_logs()
+            self.sync_logs()
             return None
         with self._patient():
             state = self.checkpointer.load_latest()
@@ -341,7 +341,7 @@ class Run:
                                       "nothing to resume")
             if not quiet:
                 log.warning(f"no checkpoint in {self.checkpointer.dir} yet: starting from step 0")
-            self._sync_logs()
+            self.sync_logs()
             return None
         source = f"checkpoint of step {state.get('step')} in {self.checkpointer.dir}"
         ours = (state.get("extra") or {}).get("run")
@@ -366,15 +366,15 @@ class Run:
             obj.load_state_dict(saved[name])
         self.resumed_from = self.checkpointer.path_for(self.step)
         self._last_epoch = self.epoch if self.position else max(self.epoch - 1, 0)
-        self._sync_logs()
+        self.sync_logs()
         of = f" of {self.sampler.num_samples}" if self.sampler is not None else ""
         log.info(f"resumed at step {self.step} (epoch {self.epoch + 1}, sample "
                  f"{self.position}{of}) from {source}")
         return info
 
-    def _sync_logs(self) -> None:
-        """Logs describe exactly the steps that led to the current state: lines of steps
-        past it would be replayed and count twice."""
+    def sync_logs(self) -> None:
+        """Collective: the logs describe exactly the steps that led to the current state
+        (lines of steps past it would be replayed and count twice)."""
         if self.dir is None:
             return
         if self.is_main:
@@ -399,7 +399,7 @@ class Run:
         if self.config is not None:
             meta["fingerprint"] = config_fingerprint(self.config)
             meta["config"] = self.config
-        with self._guarded("checkpoint"), self._patient():
+        with self.guarded("checkpoint"), self._patient():
             state = collect_state(
                 model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                 sampler=_Position(self) if self.sampler is not None else None,
@@ -550,7 +550,7 @@ class Run:
         A run that keeps no checkpoints has nothing to agree on: False, no collective."""
         if self.checkpointer is None:
             return False
-        with self._guarded("step_check"):
+        with self.guarded("step_check"):
             stop, due = self.guard.check(self.step, save_due=self.cadence.due(self.step))
         if stop and not self.stop_requested:
             self.stop_requested = True
@@ -582,7 +582,7 @@ class Run:
             vals[i] = torch.as_tensor(values[n]).detach().to(self.device, torch.float64).reshape(())
         vals[len(names) + self.rank] = peak_rss_mib()
         if _initialized() and self.world_size > 1:
-            with self._guarded("metrics"):
+            with self.guarded("metrics"):
                 dist.all_reduce(vals)
         totals = vals.tolist()
         out.update(zip(names, (v / self.world_size for v in totals[:len(names)]), strict=True))

@@ -36,7 +36,6 @@ the same point:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -59,6 +58,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.fault import PreemptionGuard, Watchdog
 from ddpkit.log import get_logger
 from ddpkit.loop import Run
+from ddpkit.loop.rank0 import cannot_create, decide_on_rank0
 from ddpkit.parallel import data_parallel
 from ddpkit.parallel.sharded_state import state_bytes
 from ddpkit.run_lock import RunLock, held_for_us
@@ -67,7 +67,6 @@ from ddpkit.train import divergence, progress, recipe, report
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums, gather_floats
 from ddpkit.train.resume import refuse_changed_config
-from ddpkit.train.sample_log import truncate_sample_logs
 from ddpkit.world import World
 
 log = get_logger(__name__)
@@ -195,29 +194,28 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def _agree_on_run(self, run_dir: str | os.PathLike | None) -> str | None:
-        """Rank 0 creates the run directory (unless ``write=False``); every rank learns
-        its name, or every rank raises rank 0's error (none is left waiting)."""
-        proposal: list[str | None] = [None, None, None]
-        if self.world.is_main and self.write:
+        """Rank 0 creates the run directory (unless ``write=False``) and holds it; every
+        rank learns its name, or every rank raises rank 0's error (none is left waiting)."""
+        def create() -> str | None:
+            if not self.write:
+                return None
             try:
                 if run_dir is not None:
                     Path(run_dir).mkdir(parents=True, exist_ok=True)
-                    proposal[0] = str(run_dir)
+                    chosen = str(run_dir)
                 else:
                     tag = (f"{recipe.short_name(self.cfg.data.name)}-"
                            f"{recipe.short_name(self.cfg.model.name)}-w{self.world.world_size}")
-                    proposal[0] = str(report.new_run_dir(self.cfg.train.out_dir, tag))
-                if not held_for_us(proposal[0]):  # no ddpkit launcher holds it for us
-                    self._lock = RunLock.acquire(proposal[0])
-            except ConfigError as err:
-                proposal[2] = str(err)
+                    chosen = str(report.new_run_dir(self.cfg.train.out_dir, tag))
+                if not held_for_us(chosen):  # no ddpkit launcher holds it for us
+                    self._lock = RunLock.acquire(chosen)
             except OSError as err:
-                proposal[2] = f"run directory {run_dir}: cannot create it ({err.strerror or err})"
-        if dist.is_initialized() and self.world.world_size > 1:
-            dist.broadcast_object_list(proposal, src=0)
-        if proposal[2] is not None:
-            raise ConfigError(proposal[2])
-        return proposal[0]
+                where = run_dir if run_dir is not None else self.cfg.train.out_dir
+                raise cannot_create(where, err) from None
+            return chosen
+
+        return decide_on_rank0(create, is_main=self.world.is_main,
+                               world_size=self.world.world_size)
 
     # The run's pieces under the names this class always had.
     @property
@@ -231,9 +229,6 @@ class Trainer:
     @property
     def watchdog(self) -> Watchdog | None:
         return self.run.watchdog
-
-    def _guard(self, step: int, name: str) -> contextlib.AbstractContextManager:
-        return self.watchdog.guard(step, name) if self.watchdog else contextlib.nullcontext()
 
     def _step_callbacks(self, step: int) -> None:
         for callback in self.step_callbacks:
@@ -290,22 +285,9 @@ class Trainer:
             if required or not self.write:
                 raise ConfigError("cannot resume with checkpoints disabled (--no-checkpoints)")
             log.warning("checkpoints are disabled (--no-checkpoints): starting from step 0")
-            self._sync_logs()
+            self.run.sync_logs()
             return None
         return self.run.restore(required=required)
-
-    def _sync_logs(self) -> None:
-        """Make the run's logs describe exactly the steps that led to the current state:
-        lines of steps past it are replayed after a resume and would count twice."""
-        if not self.write:
-            return
-        if self.world.is_main:
-            path = self.run_dir / report.METRICS_FILE
-            if path.exists() or self.loop.history:
-                report.write_jsonl(path, self.loop.history)
-            truncate_sample_logs(self.run_dir, self.loop.step)
-        if dist.is_initialized() and self.world.world_size > 1:
-            dist.barrier()  # nobody appends before rank 0 has cut the logs
 
     # ------------------------------------------------------------------ steps
     def train_epoch(self) -> dict[str, Any]:
@@ -354,7 +336,7 @@ class Trainer:
         if run.preempted:  # every rank stopped at this step; the epoch is not over
             self.preempted = True
             return {}
-        with self._guard(self.loop.step, "train_metrics"):
+        with self.run.guarded("train_metrics"):
             totals = sums.reduce()
             mine = sums.local()
             rank_loss = gather_floats(mine.loss, self.device)
@@ -435,7 +417,7 @@ class Trainer:
                 out = model(x)
             sums.add(F.nll_loss(self.precision.full(out), y, reduction="none"),
                      out.argmax(dim=1) == y)
-        with self._guard(self.loop.step, "test_metrics"):
+        with self.run.guarded("test_metrics"):
             totals = sums.reduce()
         model.train()
         return {"test_loss": totals.loss, "test_acc": totals.accuracy,
