@@ -38,7 +38,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.comm.collectives import all_reduce as comm_all_reduce
-from ddpkit.comm.shm.hook import ShmState
 from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.lifetime import no_python_tls
 from ddpkit.log import get_logger
@@ -112,7 +111,13 @@ class ExactReducer:
         # reduced buffers allocated in it, so nothing is copied in or out) when the
         # transport choice says so, else ddpkit.comm with that algorithm.
         self.algo = transport.resolve(comm, [self.device.type], group)
-        self._shm = ShmState(group) if self.algo == "shm" and self.world_size > 1 else None
+        # The default engine's shared-memory transport (its segment, its fallback to the
+        # backend with one warning where shared memory cannot be set up).
+        shm = (transport.build(comm, [self.device.type], group)
+               if self.algo == "shm" and self.world_size > 1 else None)
+        self._shm = shm if isinstance(shm, transport.ShmTransport) else None
+        if shm is not None and self._shm is None:
+            self.algo = shm.name
         self.find_unused = find_unused_parameters
         self.virtual_shards: int | None = None
         if virtual_shards is not None:
@@ -369,7 +374,7 @@ class ExactReducer:
     def _collective(self, op: str):
         def run(tensor: torch.Tensor) -> None:
             if self._shm is not None:
-                self._shm.all_reduce(tensor, op)
+                self._shm.comm.all_reduce(tensor, op)
             else:
                 comm_all_reduce(tensor, op=op, algo=self.algo, group=self.group)
 
