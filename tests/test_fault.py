@@ -146,6 +146,10 @@ def test_backstop_logs_a_hang_the_backend_does_not_report():
     assert any("hang:" in x and "rank 1 (never reported progress)" in x for x in lines), lines
 
 
+# The ddpkit command's workers print ddpkit's log lines to stderr (a library alone adds
+# only a NullHandler): the children here are such workers.
+_AS_UNDER_THE_CLI = {**os.environ, "DDPKIT_CLI_LOGGING": "1"}
+
 BACKSTOP_CHILD = textwrap.dedent(
     """
     import time
@@ -164,10 +168,42 @@ BACKSTOP_CHILD = textwrap.dedent(
 def test_backstop_exits_the_process_with_the_hang_code():
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", BACKSTOP_CHILD], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=_AS_UNDER_THE_CLI)
     assert proc.returncode == EXIT_HANG, proc.stderr
     assert "rank 1 (last at step 12 'data'" in proc.stderr
     assert time.monotonic() - start < 60
+
+
+FROZEN_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import torch.distributed as dist
+    from ddpkit.fault import ProgressBoard, Watchdog
+    board = ProgressBoard(dist.HashStore(), rank=0, world_size=2, prefix="b")
+    board.store.set("b/rank1", "0|4|%f|data" % time.time())
+    with Watchdog(0.5, board=board, grace=1.0).guard(4, "allreduce"):
+        print("armed", flush=True)
+        time.sleep(60)
+    """
+)
+
+
+def test_a_rank_that_was_stopped_says_so_instead_of_blaming_its_peers():
+    """SIGSTOP past its deadline, then SIGCONT (what a launcher does to stop it cleanly):
+    the rank's own line says it was not running, not that a peer kept it waiting."""
+    proc = subprocess.Popen([sys.executable, "-c", FROZEN_CHILD], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_AS_UNDER_THE_CLI)
+    try:
+        assert proc.stdout.readline().strip() == "armed"
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(4.0)  # the deadline (0.5 + 1.0 s) passes while the process is stopped
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_HANG, err
+    assert "rank 0: this process was not running for at least" in err, err
+    assert "during 'allreduce' at step 4" in err and "waited" not in err, err
 
 
 def test_timeout_must_be_positive():

@@ -285,9 +285,18 @@ class Watchdog:
                 if left > 0:
                     self._cond.wait(left)
                     continue
-                waited = self.timeout + self.grace
-                err = self._error(step, name, seq, waited, "no error from backend")
-                log.error(f"hang: {err}", all_ranks=True)
+                # Woken far past the deadline: this process itself did not run (SIGSTOP,
+                # a suspended machine). Its peers waited for it, not it for them.
+                frozen = -left > self.grace
+                if frozen:
+                    message = (f"rank {self.board.rank}: this process was not running for at least "
+                               f"{-left:.0f} s (stopped, e.g. by SIGSTOP, or its machine "
+                               f"suspended) during {name!r} at step {step}; its peers gave "
+                               "up waiting for it")
+                else:
+                    message = str(self._error(step, name, seq, self.timeout + self.grace,
+                                              "no error from backend"))
+                log.error(f"hang: {message}", all_ranks=True)
                 if self.exit_on_hang:
                     os._exit(EXIT_HANG)
                 self._armed = None
