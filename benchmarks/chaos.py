@@ -373,8 +373,11 @@ class Chaos:
         watch.__exit__()
         self.after(result, marker, watch, text)
         self.expect(result, code, 0, text)  # the restart continues without it
-        if not re.search(r"ddpkit train: error: rank \d waited [\d.]+ s at step \d+ .* for "
-                         r"rank \d", text):
+        # Stopped before the collective: "waited ... for rank N"; stopped inside it (it
+        # had reached the point): "rank N (no heartbeat for ...) ... stopped running".
+        if not re.search(r"ddpkit train: error: rank \d:? (waited [\d.]+ s at step \d+ .* "
+                         r"for rank \d|.*rank \d \(no heartbeat for \d+ s\) reached it, then "
+                         r"stopped running)", text):
             result.fail("the hang line naming the stopped rank is missing")
         result.data_lost = 2  # resumed from the checkpoint 2 steps before the stop
         self.same_as_reference(result, run)

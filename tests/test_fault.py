@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -196,14 +197,33 @@ def test_a_rank_that_was_stopped_says_so_instead_of_blaming_its_peers():
     try:
         assert proc.stdout.readline().strip() == "armed"
         proc.send_signal(signal.SIGSTOP)
-        time.sleep(4.0)  # the deadline (0.5 + 1.0 s) passes while the process is stopped
+        time.sleep(5.0)  # the deadline (0.5 + 1.0 s) passes while the process is stopped
         proc.send_signal(signal.SIGCONT)
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == EXIT_HANG, err
-    assert "rank 0: this process was not running for at least" in err, err
+    assert re.search(r"rank 0: this process was not running for \d+ s \(stopped", err), err
     assert "during 'allreduce' at step 4" in err and "waited" not in err, err
+
+
+def test_a_peer_that_reached_the_point_and_stopped_running_is_named():
+    """Both ranks published the step, then rank 1's heartbeat went stale: it is the one
+    that stopped, not the network."""
+    board = ProgressBoard(dist.HashStore(), rank=0, world_size=2, prefix="s")
+    board.store.set("s/rank1", f"0|7|{time.time():f}|allreduce")
+    board.store.set("s/beat1", f"{time.time() - 12:f}")
+    wd = Watchdog(5, board=board, exit_on_hang=False)
+    with pytest.raises(HangError) as caught, wd.guard(7, "allreduce"):
+        raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
+    wd.close()
+    assert "rank 1 (no heartbeat for 12 s) reached it, then stopped running" in str(caught.value)
+    # A fresh heartbeat: every rank reached it and runs, so the network is to blame.
+    board.store.set("s/rank1", f"1|7|{time.time():f}|allreduce")
+    board.store.set("s/beat1", f"{time.time():f}")
+    with pytest.raises(HangError, match="network or backend stall"), wd.guard(7, "allreduce"):
+        raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
+    wd.close()
 
 
 def test_timeout_must_be_positive():

@@ -202,9 +202,10 @@ def report_failure(failures: dict, role: str) -> int:
                 f"(pid {failure.pid}; out of memory or killed from outside?)")
     else:
         prefix = f"[{role}{failure.local_rank}]"
-        # Exit 2 is a DdpkitError's one line (errors.install_one_line_errors) or a
-        # script's own usage error: a message, not a traceback.
-        said = "message" if failure.exitcode == 2 else "traceback"
+        # Python exits 1 after an uncaught exception's traceback. ddpkit's other codes
+        # follow a one-line message: 2 a DdpkitError (errors.install_one_line_errors) or
+        # a usage error, 124 a hang, 74 a full disk, 65 a diverged loss.
+        said = "traceback" if failure.exitcode == 1 or failure.exitcode < 0 else "message"
         code = (f"exit code {failure.exitcode}" if failure.exitcode >= 0 else
                 f"then stopped by {signal.Signals(-failure.exitcode).name}")
         what = (f"failed first ({code}, pid {failure.pid}); its "

@@ -46,6 +46,13 @@ log = get_logger(__name__)
 EXIT_HANG = 124
 _TIMEOUT_WORDS = ("timed out", "timeout", "connection", "closed", "reset by peer", "broken pipe")
 _PEER_LOST_WORDS = ("closed by peer", "reset by peer", "broken pipe", "connection closed")
+# While a guard is armed the backstop thread wakes every TICK_S and stamps a heartbeat.
+# A gap between its wake-ups longer than TICK_S + FROZEN_SLACK_S means the whole process
+# was not running (SIGSTOP, a suspended machine); a peer's heartbeat older than
+# STALE_BEAT_S says the same about that peer.
+TICK_S = 1.0
+FROZEN_SLACK_S = 2.0
+STALE_BEAT_S = TICK_S + FROZEN_SLACK_S
 
 
 def _short(cause: str) -> str:
@@ -120,6 +127,23 @@ class ProgressBoard:
             seq, step, stamp, name = self.store.get(key).decode().split("|", 3)
             age = max(now - float(stamp), 0.0)  # clocks of other hosts may run slightly ahead
             out.append(RankProgress(rank, int(seq), int(step), name, age))
+        return out
+
+    def beat(self) -> None:
+        """Stamp this rank's heartbeat (its process is running)."""
+        self.store.set(f"{self.prefix}/beat{self.rank}", f"{time.time():.3f}")
+
+    def stale(self, seq: int) -> list[tuple[int, float]]:
+        """Peers that reached point ``seq`` but whose heartbeat is older than
+        :data:`STALE_BEAT_S` (their process stopped running there): (rank, age)."""
+        now, out = time.time(), []
+        for rank in range(self.world_size):
+            key = f"{self.prefix}/beat{rank}"
+            if rank == self.rank or not self.store.check([key]):
+                continue
+            age = now - float(self.store.get(key).decode())
+            if age > STALE_BEAT_S:
+                out.append((rank, age))
         return out
 
     def behind(self, seq: int | None = None) -> list[RankProgress]:
@@ -214,6 +238,13 @@ class Watchdog:
                 f"rank {self.board.rank}: {name!r} at step {step} lost its connection to a "
                 "peer that had reached it too (that peer failed first; see its error)"
             )
+        elif stale := self.board.stale(seq):
+            who = ", ".join(f"rank {r} (no heartbeat for {age:.0f} s)" for r, age in stale)
+            message = (
+                f"rank {self.board.rank}: {name!r} at step {step} did not complete within "
+                f"{self.timeout:g} s: {who} reached it, then stopped running (stopped, e.g. "
+                "by SIGSTOP, or its machine frozen)"
+            )
         else:
             message = (
                 f"rank {self.board.rank}: {name!r} at step {step} did not complete within "
@@ -275,22 +306,28 @@ class Watchdog:
             self._cond.notify()
 
     def _backstop(self) -> None:
+        frozen_s, last = 0.0, time.monotonic()  # time this process did not run, armed
         with self._cond:
             while not self._closed:
                 if self._armed is None:
+                    frozen_s = 0.0
                     self._cond.wait()
+                    last = time.monotonic()
                     continue
+                now = time.monotonic()
+                if now - last > TICK_S + FROZEN_SLACK_S:
+                    frozen_s += now - last - TICK_S
+                last = now
                 deadline, seq, step, name = self._armed
-                left = deadline - time.monotonic()
+                left = deadline - now
                 if left > 0:
-                    self._cond.wait(left)
+                    self._beat()
+                    self._cond.wait(min(left, TICK_S))
                     continue
-                # Woken far past the deadline: this process itself did not run (SIGSTOP,
-                # a suspended machine). Its peers waited for it, not it for them.
-                frozen = -left > self.grace
-                if frozen:
-                    message = (f"rank {self.board.rank}: this process was not running for at least "
-                               f"{-left:.0f} s (stopped, e.g. by SIGSTOP, or its machine "
+                if frozen_s > 0:
+                    # Its peers waited for this process, not it for them.
+                    message = (f"rank {self.board.rank}: this process was not running for "
+                               f"{frozen_s:.0f} s (stopped, e.g. by SIGSTOP, or its machine "
                                f"suspended) during {name!r} at step {step}; its peers gave "
                                "up waiting for it")
                 else:
@@ -299,7 +336,12 @@ class Watchdog:
                 log.error(f"hang: {message}", all_ranks=True)
                 if self.exit_on_hang:
                     os._exit(EXIT_HANG)
-                self._armed = None
+                self._armed, frozen_s = None, 0.0
+
+    def _beat(self) -> None:
+        # A store that is gone: the guard's own error says so.
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            self.board.beat()
 
     def close(self) -> None:
         """Stop the backstop thread (idempotent)."""
