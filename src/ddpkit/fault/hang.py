@@ -307,6 +307,8 @@ class Watchdog:
 
     def _backstop(self) -> None:
         frozen_s, last = 0.0, time.monotonic()  # time this process did not run, armed
+        beaten = -TICK_S  # when the last heartbeat went out (at most one per tick: a
+        # guard is armed several times per step, and a store write per arm would cost)
         with self._cond:
             while not self._closed:
                 if self._armed is None:
@@ -321,7 +323,9 @@ class Watchdog:
                 deadline, seq, step, name = self._armed
                 left = deadline - now
                 if left > 0:
-                    self._beat()
+                    if now - beaten >= TICK_S:
+                        self._beat()
+                        beaten = now
                     self._cond.wait(min(left, TICK_S))
                     continue
                 if frozen_s > 0:
