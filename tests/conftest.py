@@ -272,3 +272,18 @@ def clean_env(monkeypatch):
         ) or key.startswith(("SLURM_", "OMPI_", "PMI_", "MPI_LOCAL")):
             monkeypatch.delenv(key, raising=False)
     return monkeypatch
+
+
+@pytest.fixture(autouse=True)
+def _cli_logging_mark_stays_in_its_test():
+    """A test that runs the ddpkit command in-process marks os.environ so that processes
+    it launches log like the command's workers; later tests' children must not inherit
+    that mark by accident (a test relying on it would pass only after such a test)."""
+    from ddpkit.log import _CLI_MARK
+
+    before = os.environ.get(_CLI_MARK)
+    yield
+    if before is None:
+        os.environ.pop(_CLI_MARK, None)
+    else:
+        os.environ[_CLI_MARK] = before
