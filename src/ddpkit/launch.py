@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from ddpkit import rendezvous
 from ddpkit.console import PROGRESS_ENV, Console
 from ddpkit.errors import ONE_LINE_ERRORS_ENV, ConfigError
+from ddpkit.host_malloc import worker_malloc_env
 from ddpkit.launcher_link import FinalFailure, continue_stopped_children, linked_workers
 from ddpkit.log import get_logger
 from ddpkit.torchrun_args import check_nproc, default_nproc, nnodes_range
@@ -239,6 +240,7 @@ def launch_argv(argv: Sequence[str],
     run_through_script_runner(args, torchrun.get_use_env(args))
     # A DdpkitError escaping the script: one line per rank and exit 2, not a traceback.
     os.environ.setdefault(ONE_LINE_ERRORS_ENV, "1")
+    os.environ.update(worker_malloc_env())  # workers reuse large blocks (host_malloc)
     prepare_network(args, timeout_flag)
     final = FinalFailure()
     try:
