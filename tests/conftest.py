@@ -101,7 +101,7 @@ SLOW = {
         "test_a_run_whose_loss_turns_non_finite_stops_and_keeps_the_last_good_checkpoint"},
     "test_checkpoint_crash.py": {"test_killed_writer_leaves_previous_checkpoint_chosen"},
     "test_clean_exit.py": {"test_no_process_group_thread_is_left_at_exit",
-                           "test_twenty_runs_exit_clean"},
+                           "test_repeated_runs_exit_clean"},
     "test_comm.py": {"test_large_tensors_cross_many_segments", "test_subgroups_match_torch",
                      "test_all_reduce_matches_torch[4]",
                      "test_reduce_scatter_and_all_gather_match_torch[3]",

@@ -2,26 +2,35 @@
 user's would (through the interpreter's own finalization).
 
     python tests/repeat_launch.py [--runner] SCRIPT NRANKS RUNS [ARGS...]
+    python tests/repeat_launch.py --jobs JSON
+
+``--jobs`` takes a JSON list of ``{"script", "nranks", "runs", "args", "runner",
+"preload"}`` and runs them one after the other from the same process.
 
 Starting a process that imports torch costs seconds here, so one process imports torch,
-torch.distributed and ddpkit once and forks every rank of every run from there (before
-any thread exists, so each child is a clean single-threaded copy). Each child becomes
-one rank of a ``torchrun``-like job (RANK, WORLD_SIZE, MASTER_ADDR/PORT on a free port),
-runs SCRIPT as ``__main__``, then leaves by raising SystemExit to the top of this
-program: the child's interpreter finalizes normally, atexit handlers included, which is
-where an exit abort would happen. ``--runner`` runs SCRIPT through
+torch.distributed and ddpkit once and forks every rank of every run of every job from
+there (before any thread exists, so each child is a clean single-threaded copy). A job's
+``preload`` modules are imported there too, before its first run, and stay for the jobs
+after it: ``torch._dynamo`` for a program that builds an optimizer (torch.optim imports
+it on first use, seconds of CPU per rank here). Not for every job: a rank's interpreter
+finalizes every module it holds, so a preload costs each later run a little. Each child
+becomes one rank of a ``torchrun``-like job (RANK, WORLD_SIZE, MASTER_ADDR/PORT on a
+free port), runs SCRIPT as ``__main__``, then leaves by raising SystemExit to the top of
+this program: the child's interpreter finalizes normally, atexit handlers included,
+which is where an exit abort would happen. ``--runner`` runs SCRIPT through
 ``ddpkit.script_runner`` (what ``ddpkit launch`` does) instead of directly.
 
-Prints one JSON line: per run, each rank's exit code (negative: killed by that signal),
-the tail of its output, and the names of the threads the rank still had when its last
-atexit handler ran (registered here before anything else, so it runs after everyone
-else's, ddpkit's teardown included): a process group's thread still alive then could
-abort the exit.
+Prints one JSON line (with ``--jobs``, a list of them, one per job): per run, each
+rank's exit code (negative: killed by that signal), the tail of its output, and the
+names of the threads the rank still had when its last atexit handler ran (registered
+here before anything else, so it runs after everyone else's, ddpkit's teardown
+included): a process group's thread still alive then could abort the exit.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import signal
@@ -95,7 +104,9 @@ def exit_code(status: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def main(script: str, nranks: int, runs: int, args: list[str], runner: bool = False) -> None:
+def repeat(script: str, nranks: int, runs: int, args: list[str],
+           runner: bool = False) -> list[dict]:
+    """Run the job ``runs`` times; its report (one entry per run)."""
     threads = os.listdir("/proc/self/task")
     if len(threads) != 1:  # a fork would copy a process whose other threads vanish
         raise SystemExit(f"repeat_launch: {len(threads)} threads before forking; need 1")
@@ -122,14 +133,24 @@ def main(script: str, nranks: int, runs: int, args: list[str], runner: bool = Fa
             threads.append(found[-1] if found else None)
         report.append({"codes": codes, "tails": tails, "threads": threads})
     os.rmdir(tmp)
-    print(json.dumps(report), flush=True)
+    return report
 
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if argv[:1] == ["--jobs"] and len(argv) == 2:
+        reports = []
+        for job in json.loads(argv[1]):
+            for module in job.get("preload", []):
+                importlib.import_module(module)
+            reports.append(repeat(job["script"], job["nranks"], job["runs"],
+                                  job.get("args", []), job.get("runner", False)))
+        print(json.dumps(reports), flush=True)
+        raise SystemExit(0)
     use_runner = argv[:1] == ["--runner"]
     argv = argv[1:] if use_runner else argv
     if len(argv) < 3:
         raise SystemExit(__doc__)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    main(argv[0], int(argv[1]), int(argv[2]), argv[3:], use_runner)
+    print(json.dumps(repeat(argv[0], int(argv[1]), int(argv[2]), argv[3:], use_runner)),
+          flush=True)
