@@ -73,20 +73,38 @@ def base_env(out: Path, **extra: str) -> dict[str, str]:
     return {**env, "PROBE_OUT": str(out), "PYTHONUNBUFFERED": "1", **extra}
 
 
-def run_under(launcher: list[str], argv: list[str], workdir: Path, out: Path, port: int,
-              **extra_env: str) -> tuple[subprocess.CompletedProcess, dict]:
-    """Run one command line; return the process and {(attempt, rank): normalised record}."""
-    out.mkdir()
-    env = base_env(out, **extra_env)
-    argv = [a.replace("{port}", str(port)) for a in argv]
-    proc = subprocess.run([*launcher, *argv], cwd=workdir, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT_S, preexec_fn=at_most_two_cpus)
-    records = {}
-    for path in sorted(out.glob("attempt*.json")):
-        raw = json.loads(path.read_text())
-        key = tuple(path.name.removesuffix(".json").split("."))
-        records[key] = normalise(raw, env, port)
-    return proc, records
+def run_both(argv_for, workdir: Path, **extra_env: str) -> dict[str, tuple]:
+    """Run one command line under torchrun and under ``ddpkit launch`` at the same time
+    (each in its own output directory, on its own free port; one's start-up fills the
+    other's waits); return {"torchrun"|"ddpkit": (process, {(attempt, rank): record})}.
+    ``argv_for(out)`` gives the command line with that launcher's output directory."""
+    started = {}
+    try:
+        for name, launcher in (("torchrun", TORCHRUN), ("ddpkit", DDPKIT_LAUNCH)):
+            out, port = workdir / name, free_port()
+            out.mkdir()
+            env = base_env(out, **extra_env)
+            argv = [a.replace("{port}", str(port)) for a in argv_for(out)]
+            proc = subprocess.Popen([*launcher, *argv], cwd=workdir, env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    preexec_fn=at_most_two_cpus)
+            started[name] = (proc, argv, out, env, port)
+        done = {}
+        for name, (proc, argv, out, env, port) in started.items():
+            stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+            records = {}
+            for path in sorted(out.glob("attempt*.json")):
+                raw = json.loads(path.read_text())
+                key = tuple(path.name.removesuffix(".json").split("."))
+                records[key] = normalise(raw, env, port)
+            done[name] = (subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr),
+                          records)
+        return done
+    finally:
+        for proc, *_ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def normalise(raw: dict, parent_env: dict[str, str], port: int) -> dict:
@@ -129,10 +147,9 @@ def test_same_command_line_same_ranks_as_torchrun(tmp_path, case):
     (tmp_path / "probe.py").write_text(PROBE)
     argv = [a.replace("{workdir}", str(tmp_path)) for a in CASES[case]]
     extra = {"PROBE_FAIL_ONCE": "1"} if case == "max_restarts" else {}
-    ref, want = run_under(TORCHRUN, argv, tmp_path, tmp_path / "torchrun", free_port(), **extra)
+    runs = run_both(lambda out: argv, tmp_path, **extra)
+    (ref, want), (ours, got) = runs["torchrun"], runs["ddpkit"]
     assert ref.returncode == 0, ref.stderr[-3000:]
-    ours, got = run_under(DDPKIT_LAUNCH, argv, tmp_path, tmp_path / "ddpkit", free_port(),
-                          **extra)
     assert ours.returncode == 0, ours.stderr[-3000:]
 
     nproc = min(2, len(os.sched_getaffinity(0))) if "cpu" in argv or any(
@@ -162,11 +179,10 @@ def test_output_options_same_console_and_log_files(tmp_path):
     argv = ["--nproc-per-node", "2", "--log_dir", "{out}/logs", "--redirects", "0:2",
             "-t", "0:3,1:1", "--local_ranks_filter", "0", "--rdzv-id", "logs7",
             "--standalone", "probe.py"]
+    runs = run_both(lambda out: [a.replace("{out}", str(out)) for a in argv], tmp_path)
     seen = {}
-    for name, launcher in (("torchrun", TORCHRUN), ("ddpkit", DDPKIT_LAUNCH)):
+    for name, (proc, records) in runs.items():
         out = tmp_path / name
-        proc, records = run_under(launcher, [a.replace("{out}", str(out)) for a in argv],
-                                  tmp_path, out, free_port())
         assert proc.returncode == 0, proc.stderr[-3000:]
         console = sorted(line for line in proc.stdout.splitlines() if "PROBE" in line)
         logs = {}
