@@ -88,16 +88,16 @@ def run_both(argv_for, workdir: Path, **extra_env: str) -> dict[str, tuple]:
             proc = subprocess.Popen([*launcher, *argv], cwd=workdir, env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     preexec_fn=at_most_two_cpus)
-            started[name] = (proc, argv, out, env, port)
+            started[name] = (proc, [*launcher, *argv], out, env, port)
         done = {}
-        for name, (proc, argv, out, env, port) in started.items():
+        for name, (proc, command, out, env, port) in started.items():
             stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
             records = {}
             for path in sorted(out.glob("attempt*.json")):
                 raw = json.loads(path.read_text())
                 key = tuple(path.name.removesuffix(".json").split("."))
                 records[key] = normalise(raw, env, port)
-            done[name] = (subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr),
+            done[name] = (subprocess.CompletedProcess(command, proc.returncode, stdout, stderr),
                           records)
         return done
     finally:
