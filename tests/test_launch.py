@@ -9,6 +9,10 @@ import time
 
 import pytest
 
+# Imported with the module, not inside a test: torch's elastic loggers take the stderr of
+# the moment they are made, which in a test is that test's capture, closed after it.
+import torch.distributed.run  # noqa: F401
+
 from conftest import ROOT
 from ddpkit import ConfigError
 from ddpkit.launch import LaunchOptions, torchrun_argv
@@ -65,6 +69,26 @@ def test_failing_rank_reported_once(tmp_path):
     assert "ddpkit launch: rank 1 failed first (" in proc.stderr, proc.stderr[-2000:]
 
 
+def cli_in_process(argv, capfd, monkeypatch) -> tuple[int, str]:
+    """``ddpkit ARGV`` in this process, for failures that come before any worker starts
+    (the launcher's own checks); its exit code and everything written to stderr."""
+    from ddpkit import cli
+
+    monkeypatch.chdir(ROOT)
+    environ = dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in signal.valid_signals()
+                if signal.getsignal(sig) is not None}
+    try:
+        code = cli.main(argv)
+    finally:  # what a launcher may set up for itself, left as it was for the next tests
+        os.environ.clear()
+        os.environ.update(environ)
+        for sig, handler in handlers.items():
+            if signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
+    return code, capfd.readouterr().err
+
+
 def test_missing_script_is_one_line():
     proc = run_cli("launch", "--nproc-per-node", "2", "no/such/script.py")
     assert proc.returncode == 2
@@ -75,9 +99,12 @@ def test_missing_script_is_one_line():
 
 
 @pytest.mark.parametrize("bad", ["0", "-1"])
-def test_invalid_nproc(bad):
-    proc = run_cli("launch", "--nproc-per-node", bad, "examples/01_spmd_main.py")
-    assert proc.returncode == 2 and "--nproc-per-node must be a positive integer" in proc.stderr
+def test_invalid_nproc(bad, capfd, monkeypatch):
+    # In this process (the command's own exit code 2 is checked end to end just above).
+    code, stderr = cli_in_process(["launch", "--nproc-per-node", bad,
+                                   "examples/01_spmd_main.py"], capfd, monkeypatch)
+    assert code == 2 and "--nproc-per-node must be a positive integer" in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
 
 
 def test_multinode_argv_marks_local_endpoint_as_host():
@@ -151,18 +178,19 @@ def test_root_cause_is_the_raiser_even_when_the_agent_stopped_it_while_it_wound_
     assert root_cause(failures)[0] == 0
 
 
-def test_rendezvous_port_in_use_is_one_line():
+def test_rendezvous_port_in_use_is_one_line(capfd, monkeypatch):
     import socket
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = run_cli("launch", "--nnodes", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
-                       "examples/01_spmd_main.py")
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        code, stderr = cli_in_process(["launch", "--nnodes", "1", "--rdzv-endpoint",
+                                       f"127.0.0.1:{port}", "examples/01_spmd_main.py"],
+                                      capfd, monkeypatch)
+    assert code == 2, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert f"cannot open the rendezvous store at 127.0.0.1:{port}" in errors[0]
     assert "address already in use" in errors[0] and "pick a free port" in errors[0]
 
@@ -222,22 +250,8 @@ def test_unreachable_rendezvous_is_one_line_without_frame_dumps(how, tmp_path, c
     }[how]
     # In this process: the failure comes before any worker starts, in the launcher (and
     # C++ writes its frame dumps to the process's stderr, which capfd reads).
-    from ddpkit import cli
-
-    monkeypatch.chdir(ROOT)
-    environ = dict(os.environ)
-    handlers = {sig: signal.getsignal(sig) for sig in signal.valid_signals()
-                if signal.getsignal(sig) is not None}
     start = time.monotonic()
-    try:
-        code = cli.main(argv)
-    finally:  # what a launcher may set up for itself, left as it was for the next tests
-        os.environ.clear()
-        os.environ.update(environ)
-        for sig, handler in handlers.items():
-            if signal.getsignal(sig) is not handler:
-                signal.signal(sig, handler)
-    stderr = capfd.readouterr().err
+    code, stderr = cli_in_process(argv, capfd, monkeypatch)
     assert time.monotonic() - start < 30
     assert code == 2, stderr[-3000:]
     errors = [line for line in stderr.splitlines() if "error" in line.lower()]
