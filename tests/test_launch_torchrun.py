@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ddpkit import ConfigError, cli, torchrun_args
+from ddpkit.host_malloc import KEEP_LARGE_BLOCKS
 
 PROBE = r"""
 import json, os, sys
@@ -46,9 +47,10 @@ TIMEOUT_S = 120
 # workers see as TORCHELASTIC_USE_AGENT_STORE=False; and the file rank 0 writes its
 # progress to for the launcher to draw (ddpkit/console.py); and the mark that turns a
 # DdpkitError escaping the script into one line and exit 2 (ddpkit/errors.py).
-# GLOO_SOCKET_IFNAME: a single-node run's gloo sockets on loopback only.
+# GLOO_SOCKET_IFNAME: a single-node run's gloo sockets on loopback only. The glibc
+# settings that keep large freed blocks in the workers' heaps (ddpkit/host_malloc.py).
 DDPKIT_ONLY_ENV = {"DDPKIT_CLI_LOGGING", "DDPKIT_PROGRESS_FILE", "DDPKIT_ONE_LINE_ERRORS",
-                   "DDPKIT_LAUNCHER_PID", "GLOO_SOCKET_IFNAME"}
+                   "DDPKIT_LAUNCHER_PID", "GLOO_SOCKET_IFNAME", *KEEP_LARGE_BLOCKS}
 FRESH_PER_RUN = {"TORCHELASTIC_ERROR_FILE"}  # a temp directory of each agent
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
