@@ -119,6 +119,10 @@ def test_every_marker_is_known_and_every_skip_says_why():
                 assert b.skipped, f"{b.where}: `not run:` needs a reason"
             if b.marker.startswith("run on 2 ranks"):
                 assert b.lang == "python", f"{b.where}: only Python blocks run on ranks"
+                # They share one launch: each must leave with its group torn down, and
+                # the next must build its own on fresh keys, which ddpkit's init does.
+                assert "ddpkit.distributed(" in b.code, (
+                    f"{b.where}: a 2-rank block builds its group with ddpkit.distributed()")
             if b.marker.startswith("run with:"):
                 assert b.lang in ("sh", "bash"), f"{b.where}: `run with:` is for shell blocks"
 
