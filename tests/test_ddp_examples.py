@@ -37,6 +37,8 @@ def _run_demo(world, name):
     return out.getvalue()
 
 
+# slow: the first torch DDP in a pool rank imports what DDP needs (seconds).
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["03_ddp_checkpoint", "04_ddp_model_parallel"])
 def test_checkpoint_and_model_parallel_demos(pools, name):
     outs = pools(2).run(_run_demo, name)
