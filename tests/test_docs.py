@@ -6,10 +6,13 @@ are picked up by themselves) is checked, page by page, in a scratch directory wh
 
 * sh, bash: each block runs in ``bash -euo pipefail``, the page's blocks in order (a
   later block sees the files an earlier one wrote), before its Python blocks;
-* python: each block runs as a program, in fresh globals as ``__main__``; the page's
-  one-process blocks share one interpreter (importing torch is most of their cost),
-  each 2-rank block gets its own ``ddpkit launch`` (blocks that stop ranks with signals
-  or build process groups must not leave state to the next);
+* python: each block runs as a program, in fresh globals as ``__main__``, in its page's
+  directory, after the page's shell blocks; the page's one-process blocks share one
+  interpreter (importing torch is most of their cost), and the 2-rank blocks of every
+  page share one ``ddpkit launch`` (a launch costs more than all the blocks it runs):
+  each block builds its process group with ``ddpkit.distributed()`` and tears it down,
+  and the next one builds a fresh group, as ``ddpkit.init`` allows. A 2-rank block that
+  fails ends that launch; the blocks after it are run in a new one;
 * toml: read as a ``ddpkit train --config`` file (unknown keys and wrong types fail).
 
 The line right before a block's opening fence may say how (an HTML comment, invisible
@@ -41,6 +44,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +119,10 @@ def test_every_marker_is_known_and_every_skip_says_why():
                 assert b.skipped, f"{b.where}: `not run:` needs a reason"
             if b.marker.startswith("run on 2 ranks"):
                 assert b.lang == "python", f"{b.where}: only Python blocks run on ranks"
+                # They share one launch: each must leave with its group torn down, and
+                # the next must build its own on fresh keys, which ddpkit's init does.
+                assert "ddpkit.distributed(" in b.code, (
+                    f"{b.where}: a 2-rank block builds its group with ddpkit.distributed()")
             if b.marker.startswith("run with:"):
                 assert b.lang in ("sh", "bash"), f"{b.where}: `run with:` is for shell blocks"
 
@@ -151,8 +159,9 @@ def environment() -> dict[str, str]:
 
 
 DRIVER = """
-import runpy, sys, traceback
+import os, runpy, sys, traceback
 for path in list(sys.argv[1:]):
+    os.chdir(os.path.dirname(path))  # the block's page directory
     sys.argv = [path]
     try:
         runpy.run_path(path, run_name="__main__")
@@ -164,10 +173,21 @@ for path in list(sys.argv[1:]):
         traceback.print_exc()
         print(f"DOCS-CHECK FAILED {path}", flush=True)
         sys.exit(1)
+    print(f"DOCS-CHECK OK {path}", flush=True)
 """
 
 
-def run(argv: list[str], cwd: Path, what: str, timeout: float = 300) -> None:
+class RunFailed(Exception):
+    """A block (or a launch of blocks) failed; the message says which, with the tail of
+    its output; ``stdout`` is all of it."""
+
+    def __init__(self, message: str, stdout: str):
+        super().__init__(message)
+        self.stdout = stdout
+
+
+def run(argv: list[str], cwd: Path, what: str, timeout: float = 300) -> str:
+    """Run ``argv``; its stdout, or :class:`RunFailed` with the tail of its output."""
     # Its own session: on a timeout the launcher and every rank it started go together.
     proc = subprocess.Popen(argv, cwd=cwd, env=environment(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -176,53 +196,103 @@ def run(argv: list[str], cwd: Path, what: str, timeout: float = 300) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"{what} did not finish in {timeout:.0f} s:\n{stderr[-3000:]}",
-                    pytrace=False)
-    proc = subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
-    assert proc.returncode == 0, (
-        f"{what} failed (exit {proc.returncode}):\n--- stdout\n{proc.stdout[-3000:]}"
-        f"\n--- stderr\n{proc.stderr[-3000:]}")
+        raise RunFailed(f"{what} did not finish in {timeout:.0f} s:\n--- stdout\n"
+                        f"{stdout[-3000:]}\n--- stderr\n{stderr[-3000:]}", stdout) from None
+    if proc.returncode != 0:
+        raise RunFailed(f"{what} failed (exit {proc.returncode}):\n--- stdout\n{stdout[-3000:]}"
+                        f"\n--- stderr\n{stderr[-3000:]}", stdout)
+    return stdout
 
 
-def check_page(page: str, tmp_path: Path) -> list[str]:
-    """Run the page's blocks; returns what was skipped and why."""
+@dataclass
+class PageRun:
+    """What checking one page found: skipped blocks, the first failure, and the 2-rank
+    blocks still to run (written into the page's directory)."""
+
+    page: str
+    skipped: list[str]
+    two_ranks: list[str]
+    failure: str | None = None
+
+
+def run_page_alone(page: str, tmp_path: Path) -> PageRun:
+    """Run the page's toml, shell and one-process blocks; collect its 2-rank blocks."""
     from ddpkit.train.config import Config, read_toml
 
     cwd = scratch(tmp_path)
-    skipped, one_process, two_ranks = [], [], []
-    for n, b in enumerate(blocks(page)):
-        if b.skipped:
-            skipped.append(f"{b.where}: {b.skipped}")
-            continue
-        if b.lang == "toml":
-            path = cwd / f"block_{n:02d}.toml"
+    result = PageRun(page, [], [])
+    one_process = []
+    try:
+        for n, b in enumerate(blocks(page)):
+            if b.skipped:
+                result.skipped.append(f"{b.where}: {b.skipped}")
+                continue
+            if b.lang == "toml":
+                path = cwd / f"block_{n:02d}.toml"
+                path.write_text(b.code)
+                Config().update(read_toml(path), source=b.where)
+                continue
+            if b.lang in ("sh", "bash"):
+                args = b.marker.removeprefix("run with:").strip() if b.marker.startswith(
+                    "run with:") else ""
+                run(["bash", "-euo", "pipefail", "-c", with_small_settings(b.code, args)],
+                    cwd, b.where)
+                continue
+            path = cwd / f"block_{n:02d}_line{b.line}.py"
             path.write_text(b.code)
-            Config().update(read_toml(path), source=b.where)
-            continue
-        if b.lang in ("sh", "bash"):
-            args = b.marker.removeprefix("run with:").strip() if b.marker.startswith(
-                "run with:") else ""
-            run(["bash", "-euo", "pipefail", "-c", with_small_settings(b.code, args)], cwd,
-                b.where)
-            continue
-        path = cwd / f"block_{n:02d}_line{b.line}.py"
-        path.write_text(b.code)
-        (two_ranks if b.marker.startswith("run on 2 ranks") else one_process).append(str(path))
+            (result.two_ranks if b.marker.startswith("run on 2 ranks") else one_process).append(
+                str(path))
+        driver = cwd / "run_blocks.py"
+        driver.write_text(DRIVER)
+        if one_process:
+            run([sys.executable, str(driver), *one_process], cwd, f"{page}: Python blocks")
+    except RunFailed as failed:
+        result.failure, result.two_ranks = str(failed), []
+    except Exception:  # a toml block the config refuses
+        result.failure, result.two_ranks = traceback.format_exc(), []
+    return result
+
+
+def run_on_two_ranks(runs: list[PageRun], cwd: Path) -> None:
+    """Run every page's 2-rank blocks, in page order, in as few launches as they allow."""
     driver = cwd / "run_blocks.py"
     driver.write_text(DRIVER)
-    if one_process:
-        run([sys.executable, str(driver), *one_process], cwd, f"{page}: Python blocks")
-    for path in two_ranks:
-        run([os.path.join(BIN, "ddpkit"), "launch", "--nproc-per-node", "2", str(driver),
-             path], cwd, f"{page}: {os.path.basename(path)} on 2 ranks")
-    return skipped
+    owner = {path: r for r in runs for path in r.two_ranks}
+    todo = [path for r in runs for path in r.two_ranks]
+    while todo:
+        try:
+            run([os.path.join(BIN, "ddpkit"), "launch", "--nproc-per-node", "2", str(driver),
+                 *todo], cwd, "ddpkit launch of the 2-rank blocks")
+            return
+        except RunFailed as failed:
+            # A block passed once both ranks said so; the first that did not is the one
+            # that failed (or hung). The blocks after it never ran: a new launch runs them.
+            first = next((i for i, path in enumerate(todo)
+                          if failed.stdout.count(f"DOCS-CHECK OK {path}") < 2), len(todo) - 1)
+            culprit = owner[todo[first]]
+            culprit.failure = f"{culprit.page}: {os.path.basename(todo[first])}: {failed}"
+            todo = [path for path in todo[first + 1:] if owner[path] is not culprit]
+
+
+@pytest.fixture(scope="module")
+def page_runs(request, tmp_path_factory) -> dict[str, PageRun]:
+    """Check the pages this session selected: each page's own blocks, then all their 2-rank
+    blocks in one launch."""
+    selected = [item.callspec.params["page"] for item in request.session.items
+                if item.module is request.module and item.originalname == "test_page_runs"]
+    runs = [run_page_alone(page, tmp_path_factory.mktemp(re.sub(r"\W", "_", page)))
+            for page in selected]
+    run_on_two_ranks(runs, tmp_path_factory.mktemp("two_ranks"))
+    return {r.page: r for r in runs}
 
 
 @pytest.mark.parametrize("page", pages())
-def test_page_runs(page, tmp_path):
-    skipped = check_page(page, tmp_path)
+def test_page_runs(page, page_runs):
+    result = page_runs[page]
     # Shown with -rA / on failure: what this page leaves unrun, and why.
-    print("\n".join(skipped))
+    print("\n".join(result.skipped))
+    if result.failure:
+        pytest.fail(result.failure, pytrace=False)
 
 
 def test_training_options_table_lists_every_train_option():
