@@ -5,7 +5,8 @@ exactly like the program it replaces.
   torch's import put back under ``torchrun``, run with the doc's two command lines;
 * mp.spawn (61): the doc's mp.spawn program, the example under ``python`` and under
   ``ddpkit launch``;
-* Accelerate style (62): the example on 2 processes and on 1 at the same global batch.
+* Accelerate style (62): the example on 2 processes (``ddpkit launch``) and on 1 (``python``)
+  at the same global batch.
 
 Final parameters are compared with torch.equal (62: float32 rounding, < 1e-6).
 
@@ -161,9 +162,10 @@ def test_mp_spawn_program_and_its_ddpkit_version_train_the_same_under_spawn_and_
 def test_accelerate_style_script_on_two_processes_equals_one_and_gathers_metrics(tmp_path):
     script = str(example("62_from_accelerate_style.py"))
     out = {}
-    for nproc in (2, 1):
-        proc = run([PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", str(nproc), script,
-                    "--save", str(tmp_path / f"w{nproc}.pt")])
+    # Two processes under the launcher; one is the script run as it is, with python.
+    for nproc, launcher in ((2, [PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2"]),
+                            (1, [PY])):
+        proc = run([*launcher, script, "--save", str(tmp_path / f"w{nproc}.pt")])
         assert proc.stdout.count("on 101 samples") == 3, proc.stdout  # no padding counted
         out[nproc] = torch.load(tmp_path / f"w{nproc}.pt")
     two, one = out[2], out[1]
@@ -192,29 +194,35 @@ DEVICE_IDS_ON_CPU = """
 import os
 import torch.distributed as dist
 from torch import nn
-if os.environ["ENGINE"] == "torch":
-    from torch.nn.parallel import DistributedDataParallel as DDP
-else:
-    from ddpkit import DataParallel as DDP
+from ddpkit import DataParallel as DDP
 dist.init_process_group("gloo")
 DDP(nn.Linear(4, 2), device_ids=[int(os.environ["LOCAL_RANK"])])
 """
 
 
-def test_device_ids_on_a_cpu_module_is_one_line_per_rank_and_exit_2(tmp_path):
+def torch_ddp_device_ids_on_cpu(world) -> str:
+    """What torch's DistributedDataParallel raises for the script's call, on this rank."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        DistributedDataParallel(nn.Linear(4, 2), device_ids=[world.local_rank])
+    except Exception as exc:  # its type and message are what is compared
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_device_ids_on_a_cpu_module_is_one_line_per_rank_and_exit_2(tmp_path, pools):
     """What docs/migrating.md says a refused argument looks like in your own script under
-    `ddpkit launch`: one line per rank saying what to do, no traceback, exit 2 (torch DDP
-    raises a ValueError for the same call: a traceback per rank, exit 1)."""
+    `ddpkit launch`: one line per rank saying what to do, no traceback, exit 2, where
+    torch DDP raises a ValueError for the same call (checked on the pooled ranks)."""
     script = tmp_path / "cpu_device_ids.py"
     script.write_text(DEVICE_IDS_ON_CPU)
-    out = {}
-    for engine in ("ddpkit", "torch"):
-        out[engine] = subprocess.run(
-            [PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2", str(script)], cwd=ROOT,
-            env=clean_env(ENGINE=engine), capture_output=True, text=True, timeout=TIMEOUT_S)
-    ours = out["ddpkit"]
-    assert out["torch"].returncode == 1, out["torch"].stderr[-3000:]
-    assert "ValueError: DistributedDataParallel device_ids" in out["torch"].stderr
+    for raised in pools(2).run(torch_ddp_device_ids_on_cpu):
+        assert raised.startswith("ValueError: DistributedDataParallel device_ids"), raised
+    ours = subprocess.run(
+        [PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2", str(script)], cwd=ROOT,
+        env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert ours.returncode == 2, ours.stderr[-3000:]
     assert "Traceback" not in ours.stderr, ours.stderr[-3000:]
     for rank in (0, 1):
