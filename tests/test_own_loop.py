@@ -86,6 +86,15 @@ def _assert_metrics_continue(run: Path, reference: Path) -> None:
     assert rows[0].split(",")[:1] == ["epoch"] and len(rows) == 1 + len(mine)
 
 
+def _assert_ends_like(run: Path, reference: Path) -> None:
+    """A faulted and continued run ended as the uninterrupted one: its parameters, bit
+    for bit, every sample of every epoch once, each metrics record once, with its values."""
+    _assert_same_params(run, reference)
+    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
+                             world=WORLD, samples=SAMPLES)
+    _assert_metrics_continue(run, reference)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("reference") / "run"
@@ -146,10 +155,7 @@ def test_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, co
     assert "resumed at step 20 (epoch 2, sample 128 of 512)" in text  # ...and the restart resumed
     assert "done: 32 steps (this attempt from step 20)" in text
     run = continued["run"]
-    _assert_same_params(run, reference)
-    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
-                             world=WORLD, samples=SAMPLES)
-    _assert_metrics_continue(run, reference)
+    _assert_ends_like(run, reference)
 
 
 def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_resumes(
@@ -165,10 +171,7 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_resumes
     assert code == 0, text[-3000:]
     assert "resumed at step 7 (epoch 1, sample 224 of 512)" in text
     run = continued["run"]
-    _assert_same_params(run, reference)
-    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
-                             world=WORLD, samples=SAMPLES)
-    _assert_metrics_continue(run, reference)
+    _assert_ends_like(run, reference)
 
 
 def test_a_rank_that_stops_arriving_is_named(tmp_path):

@@ -100,6 +100,15 @@ def _assert_metrics_continue(run: Path, reference: Path) -> None:
             assert a[key] == b[key], key
 
 
+def _assert_ends_like(run: Path, reference: Path) -> None:
+    """A faulted and continued run ended as the uninterrupted one: its parameters, bit
+    for bit, every sample of every epoch once, each metrics record once, with its values."""
+    _assert_same_params(run, reference)
+    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
+                             world=2, samples=SAMPLES)
+    _assert_metrics_continue(run, reference)
+
+
 @pytest.fixture(scope="module")
 def reference(train_reference) -> Path:
     """The job uninterrupted, on 2 pooled ranks (no launch: tests/train_reference.py)."""
@@ -170,10 +179,7 @@ def test_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, co
     assert "exitcode: -9" in text  # the agent saw the SIGKILL...
     assert "resumed at step 12 (epoch 2" in text  # ...and restarted
     run = continued["run"]
-    _assert_same_params(run, reference)
-    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
-                             world=2, samples=SAMPLES)
-    _assert_metrics_continue(run, reference)
+    _assert_ends_like(run, reference)
 
 
 @pytest.mark.chaos
@@ -199,10 +205,7 @@ def test_killed_launcher_and_sigterm_each_end_and_the_same_command_continues(
     code, text = continued["resumed"]
     assert code == 0, text[-3000:]
     assert "resumed at step 9 (epoch 1, sample 288 of 300)" in text, text[-3000:]
-    _assert_same_params(run, reference)
-    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
-                             world=2, samples=SAMPLES)
-    _assert_metrics_continue(run, reference)
+    _assert_ends_like(run, reference)
 
 
 @pytest.mark.chaos
