@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,15 @@ def run(argv: list[str], **extra_env: str) -> subprocess.CompletedProcess:
                           text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"{shlex.join(argv)}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
     return proc
+
+
+def run_side_by_side(*runs: tuple[list[str], dict[str, str]]) -> list[subprocess.CompletedProcess]:
+    """``run(argv, **env)`` for each of several independent programs, all at once: most
+    of a launch is processes importing torch and waiting on each other, so two cores
+    finish them sooner together than one after the other."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        done = [pool.submit(run, argv, **env) for argv, env in runs]
+    return [d.result() for d in done]
 
 
 def assert_equal_states(a: dict, b: dict, what: str) -> None:
@@ -122,19 +132,19 @@ def test_torch_ddp_script_with_one_import_changed_trains_as_under_torchrun(tmp_p
     theirs.write_text(source.replace(ddpkit_import + "\n", torch_import + "\n"))
 
     (torchrun_line,), (launch_line,) = diff_lines(doc_blocks("commands", target)[0])
-    saved = {}
-    outputs = {}
+    runs = {}
     for who, line, launcher, script, env in (
             ("torchrun", torchrun_line, [PY, "-m", "torch.distributed.run"], theirs,
              TORCH_REFERENCE),
             ("ddpkit", launch_line, [PY, "-m", "ddpkit.cli", "launch"], ours, {})):
         words = shlex.split(line)[2 if who == "ddpkit" else 1:]
         words = [str(script) if w == target else w for w in words]
-        path = tmp_path / f"{who}.pt"
-        words[words.index("model.pt")] = str(path)
-        proc = run([*launcher, *words], **env)
-        outputs[who] = re.findall(r"epoch \d+: mean loss \S+", proc.stdout)
-        saved[who] = torch.load(path)
+        words[words.index("model.pt")] = str(tmp_path / f"{who}.pt")
+        runs[who] = ([*launcher, *words], env)
+    procs = dict(zip(runs, run_side_by_side(*runs.values()), strict=True))
+    outputs = {who: re.findall(r"epoch \d+: mean loss \S+", proc.stdout)
+               for who, proc in procs.items()}
+    saved = {who: torch.load(tmp_path / f"{who}.pt") for who in runs}
     assert len(outputs["ddpkit"]) == 3 and outputs["ddpkit"] == outputs["torchrun"], outputs
     assert_equal_states(saved["torchrun"], saved["ddpkit"], "torch DDP under torchrun vs ddpkit")
 
@@ -147,11 +157,12 @@ def test_mp_spawn_program_and_its_ddpkit_version_train_the_same_under_spawn_and_
     original.write_text(before.replace('"12355"', f'"{free_port()}"'))
     ours = str(example("61_from_mp_spawn.py"))
     one_thread = {"OMP_NUM_THREADS": "1"}  # what torchrun sets; kernels round per thread count
-    run([PY, str(original), str(tmp_path / "mp_spawn.pt")], **one_thread, **TORCH_REFERENCE)
-    spawned = run([PY, ours, str(tmp_path / "ddpkit_spawn.pt")], **one_thread)
+    _, spawned, launched = run_side_by_side(
+        ([PY, str(original), str(tmp_path / "mp_spawn.pt")], {**one_thread, **TORCH_REFERENCE}),
+        ([PY, ours, str(tmp_path / "ddpkit_spawn.pt")], one_thread),
+        ([PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2", ours,
+          str(tmp_path / "ddpkit_launch.pt")], {}))
     assert "last loss per rank: [" in spawned.stdout
-    launched = run([PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2", ours,
-                    str(tmp_path / "ddpkit_launch.pt")])
     assert re.search(r"\[default1\]:rank 1: last loss", launched.stdout), launched.stdout
     reference = torch.load(tmp_path / "mp_spawn.pt")
     assert_equal_states(reference, torch.load(tmp_path / "ddpkit_spawn.pt"), "ddpkit.spawn")
@@ -161,13 +172,14 @@ def test_mp_spawn_program_and_its_ddpkit_version_train_the_same_under_spawn_and_
 # ---------------------------------------------------------------- 62: Accelerate style
 def test_accelerate_style_script_on_two_processes_equals_one_and_gathers_metrics(tmp_path):
     script = str(example("62_from_accelerate_style.py"))
-    out = {}
     # Two processes under the launcher; one is the script run as it is, with python.
-    for nproc, launcher in ((2, [PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2"]),
-                            (1, [PY])):
-        proc = run([*launcher, script, "--save", str(tmp_path / f"w{nproc}.pt")])
+    launchers = {2: [PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2"], 1: [PY]}
+    procs = run_side_by_side(*(
+        ([*launcher, script, "--save", str(tmp_path / f"w{nproc}.pt")], {})
+        for nproc, launcher in launchers.items()))
+    for proc in procs:
         assert proc.stdout.count("on 101 samples") == 3, proc.stdout  # no padding counted
-        out[nproc] = torch.load(tmp_path / f"w{nproc}.pt")
+    out = {nproc: torch.load(tmp_path / f"w{nproc}.pt") for nproc in launchers}
     two, one = out[2], out[1]
     assert list(two["model"]) == list(one["model"])
     diff = max((two["model"][k] - one["model"][k]).abs().max().item() for k in one["model"])
