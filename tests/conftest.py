@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_pool import DistPool  # noqa: E402
+from train_reference import train_in_pool  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -257,6 +259,42 @@ def pools():
     yield get
     for pool in made.values():
         pool.close()
+
+
+@pytest.fixture(scope="session")
+def train_reference(pools, tmp_path_factory):
+    """train_reference(world_size, argv) -> the run directory of the uninterrupted
+    ``ddpkit train`` job with options ``argv`` (no launcher options) on that many pooled
+    ranks, trained once per session for every test that compares with it."""
+    made: dict[tuple[int, tuple[str, ...]], Path] = {}
+
+    def get(world_size: int, argv: list[str]) -> Path:
+        key = (world_size, tuple(argv))
+        if key not in made:
+            run = tmp_path_factory.mktemp("train-reference") / "run"
+            steps = pools(world_size).run(train_in_pool, list(argv), str(run), timeout=300)
+            assert len(set(steps)) == 1 and steps[0] > 0, steps
+            made[key] = run
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_train_run(tmp_path_factory):
+    """One `ddpkit train --nproc-per-node 2 --epochs 1 --seed 7` launch with every other
+    option at its default: (the completed process, its run directory), shared by the
+    tests that check that run and those that compare other runs with it."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("default-train") / "runs"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpkit.cli", "train", "--nproc-per-node", "2", "--epochs", "1",
+         "--seed", "7", "--out-dir", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir,) = out.iterdir()  # one new run directory
+    return proc, run_dir
 
 
 @pytest.fixture

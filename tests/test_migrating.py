@@ -5,7 +5,8 @@ exactly like the program it replaces.
   torch's import put back under ``torchrun``, run with the doc's two command lines;
 * mp.spawn (61): the doc's mp.spawn program, the example under ``python`` and under
   ``ddpkit launch``;
-* Accelerate style (62): the example on 2 processes and on 1 at the same global batch.
+* Accelerate style (62): the example on 2 processes (``ddpkit launch``) and on 1 (``python``)
+  at the same global batch.
 
 Final parameters are compared with torch.equal (62: float32 rounding, < 1e-6).
 
@@ -23,6 +24,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -68,6 +70,15 @@ def run(argv: list[str], **extra_env: str) -> subprocess.CompletedProcess:
                           text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"{shlex.join(argv)}\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
     return proc
+
+
+def run_side_by_side(*runs: tuple[list[str], dict[str, str]]) -> list[subprocess.CompletedProcess]:
+    """``run(argv, **env)`` for each of several independent programs, all at once: most
+    of a launch is processes importing torch and waiting on each other, so two cores
+    finish them sooner together than one after the other."""
+    with ThreadPoolExecutor(len(runs)) as pool:
+        done = [pool.submit(run, argv, **env) for argv, env in runs]
+    return [d.result() for d in done]
 
 
 def assert_equal_states(a: dict, b: dict, what: str) -> None:
@@ -121,19 +132,19 @@ def test_torch_ddp_script_with_one_import_changed_trains_as_under_torchrun(tmp_p
     theirs.write_text(source.replace(ddpkit_import + "\n", torch_import + "\n"))
 
     (torchrun_line,), (launch_line,) = diff_lines(doc_blocks("commands", target)[0])
-    saved = {}
-    outputs = {}
+    runs = {}
     for who, line, launcher, script, env in (
             ("torchrun", torchrun_line, [PY, "-m", "torch.distributed.run"], theirs,
              TORCH_REFERENCE),
             ("ddpkit", launch_line, [PY, "-m", "ddpkit.cli", "launch"], ours, {})):
         words = shlex.split(line)[2 if who == "ddpkit" else 1:]
         words = [str(script) if w == target else w for w in words]
-        path = tmp_path / f"{who}.pt"
-        words[words.index("model.pt")] = str(path)
-        proc = run([*launcher, *words], **env)
-        outputs[who] = re.findall(r"epoch \d+: mean loss \S+", proc.stdout)
-        saved[who] = torch.load(path)
+        words[words.index("model.pt")] = str(tmp_path / f"{who}.pt")
+        runs[who] = ([*launcher, *words], env)
+    procs = dict(zip(runs, run_side_by_side(*runs.values()), strict=True))
+    outputs = {who: re.findall(r"epoch \d+: mean loss \S+", proc.stdout)
+               for who, proc in procs.items()}
+    saved = {who: torch.load(tmp_path / f"{who}.pt") for who in runs}
     assert len(outputs["ddpkit"]) == 3 and outputs["ddpkit"] == outputs["torchrun"], outputs
     assert_equal_states(saved["torchrun"], saved["ddpkit"], "torch DDP under torchrun vs ddpkit")
 
@@ -146,11 +157,12 @@ def test_mp_spawn_program_and_its_ddpkit_version_train_the_same_under_spawn_and_
     original.write_text(before.replace('"12355"', f'"{free_port()}"'))
     ours = str(example("61_from_mp_spawn.py"))
     one_thread = {"OMP_NUM_THREADS": "1"}  # what torchrun sets; kernels round per thread count
-    run([PY, str(original), str(tmp_path / "mp_spawn.pt")], **one_thread, **TORCH_REFERENCE)
-    spawned = run([PY, ours, str(tmp_path / "ddpkit_spawn.pt")], **one_thread)
+    _, spawned, launched = run_side_by_side(
+        ([PY, str(original), str(tmp_path / "mp_spawn.pt")], {**one_thread, **TORCH_REFERENCE}),
+        ([PY, ours, str(tmp_path / "ddpkit_spawn.pt")], one_thread),
+        ([PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2", ours,
+          str(tmp_path / "ddpkit_launch.pt")], {}))
     assert "last loss per rank: [" in spawned.stdout
-    launched = run([PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2", ours,
-                    str(tmp_path / "ddpkit_launch.pt")])
     assert re.search(r"\[default1\]:rank 1: last loss", launched.stdout), launched.stdout
     reference = torch.load(tmp_path / "mp_spawn.pt")
     assert_equal_states(reference, torch.load(tmp_path / "ddpkit_spawn.pt"), "ddpkit.spawn")
@@ -160,12 +172,14 @@ def test_mp_spawn_program_and_its_ddpkit_version_train_the_same_under_spawn_and_
 # ---------------------------------------------------------------- 62: Accelerate style
 def test_accelerate_style_script_on_two_processes_equals_one_and_gathers_metrics(tmp_path):
     script = str(example("62_from_accelerate_style.py"))
-    out = {}
-    for nproc in (2, 1):
-        proc = run([PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", str(nproc), script,
-                    "--save", str(tmp_path / f"w{nproc}.pt")])
+    # Two processes under the launcher; one is the script run as it is, with python.
+    launchers = {2: [PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2"], 1: [PY]}
+    procs = run_side_by_side(*(
+        ([*launcher, script, "--save", str(tmp_path / f"w{nproc}.pt")], {})
+        for nproc, launcher in launchers.items()))
+    for proc in procs:
         assert proc.stdout.count("on 101 samples") == 3, proc.stdout  # no padding counted
-        out[nproc] = torch.load(tmp_path / f"w{nproc}.pt")
+    out = {nproc: torch.load(tmp_path / f"w{nproc}.pt") for nproc in launchers}
     two, one = out[2], out[1]
     assert list(two["model"]) == list(one["model"])
     diff = max((two["model"][k] - one["model"][k]).abs().max().item() for k in one["model"])
@@ -192,29 +206,35 @@ DEVICE_IDS_ON_CPU = """
 import os
 import torch.distributed as dist
 from torch import nn
-if os.environ["ENGINE"] == "torch":
-    from torch.nn.parallel import DistributedDataParallel as DDP
-else:
-    from ddpkit import DataParallel as DDP
+from ddpkit import DataParallel as DDP
 dist.init_process_group("gloo")
 DDP(nn.Linear(4, 2), device_ids=[int(os.environ["LOCAL_RANK"])])
 """
 
 
-def test_device_ids_on_a_cpu_module_is_one_line_per_rank_and_exit_2(tmp_path):
+def torch_ddp_device_ids_on_cpu(world) -> str:
+    """What torch's DistributedDataParallel raises for the script's call, on this rank."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        DistributedDataParallel(nn.Linear(4, 2), device_ids=[world.local_rank])
+    except Exception as exc:  # its type and message are what is compared
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_device_ids_on_a_cpu_module_is_one_line_per_rank_and_exit_2(tmp_path, pools):
     """What docs/migrating.md says a refused argument looks like in your own script under
-    `ddpkit launch`: one line per rank saying what to do, no traceback, exit 2 (torch DDP
-    raises a ValueError for the same call: a traceback per rank, exit 1)."""
+    `ddpkit launch`: one line per rank saying what to do, no traceback, exit 2, where
+    torch DDP raises a ValueError for the same call (checked on the pooled ranks)."""
     script = tmp_path / "cpu_device_ids.py"
     script.write_text(DEVICE_IDS_ON_CPU)
-    out = {}
-    for engine in ("ddpkit", "torch"):
-        out[engine] = subprocess.run(
-            [PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2", str(script)], cwd=ROOT,
-            env=clean_env(ENGINE=engine), capture_output=True, text=True, timeout=TIMEOUT_S)
-    ours = out["ddpkit"]
-    assert out["torch"].returncode == 1, out["torch"].stderr[-3000:]
-    assert "ValueError: DistributedDataParallel device_ids" in out["torch"].stderr
+    for raised in pools(2).run(torch_ddp_device_ids_on_cpu):
+        assert raised.startswith("ValueError: DistributedDataParallel device_ids"), raised
+    ours = subprocess.run(
+        [PY, "-m", "ddpkit.cli", "launch", "--nproc-per-node", "2", str(script)], cwd=ROOT,
+        env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
     assert ours.returncode == 2, ours.stderr[-3000:]
     assert "Traceback" not in ours.stderr, ours.stderr[-3000:]
     for rank in (0, 1):

@@ -4,9 +4,10 @@ The job: a tiny character-level GPT, AdamW, warm-up + cosine LR, bf16 autocast, 
 micro-batches per step, clip_grad_norm_, a DataLoader with 2 workers over a
 ShardSampler; 512 blocks, global batch 16 per micro-batch: 16 optimizer steps per
 epoch, 2 epochs, 2 ranks, a checkpoint every 5 steps, a metrics record every 5.
-The uninterrupted run is the reference: a run that lost a worker, or that was stopped
-by SIGTERM and started again, must end with its parameters bit for bit, log each step
-once and train on every sample of every epoch exactly once.
+The uninterrupted run is the reference: one run stopped by SIGTERM, started again by
+the same command, which then loses a worker and is restarted by the agent, must end with
+its parameters bit for bit, log each step once and train on every sample of every epoch
+exactly once.
 """
 
 from __future__ import annotations
@@ -85,6 +86,15 @@ def _assert_metrics_continue(run: Path, reference: Path) -> None:
     assert rows[0].split(",")[:1] == ["epoch"] and len(rows) == 1 + len(mine)
 
 
+def _assert_ends_like(run: Path, reference: Path) -> None:
+    """A faulted and continued run ended as the uninterrupted one: its parameters, bit
+    for bit, every sample of every epoch once, each metrics record once, with its values."""
+    _assert_same_params(run, reference)
+    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
+                             world=WORLD, samples=SAMPLES)
+    _assert_metrics_continue(run, reference)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("reference") / "run"
@@ -103,25 +113,19 @@ def test_uninterrupted_run_learns_and_logs(reference):
     assert json.loads(manifests[-1].read_text())["reason"] == "final"
 
 
-def test_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, tmp_path):
-    # Rank 1 dies by SIGKILL after step 23 (epoch 2). The last checkpoint is step 20, so
-    # the restarted workers replay steps 21-23 from the middle of the epoch.
-    run = tmp_path / "run"
-    code, text = _run(run, "--max-restarts", "1", DDPKIT_TEST_KILL_AT_STEP="23:1")
-    assert code == 0, text[-3000:]
-    assert "exitcode: -9" in text  # the agent saw the SIGKILL...
-    assert "resumed at step 20 (epoch 2, sample 128 of 512)" in text  # ...and the restart resumed
-    _assert_same_params(run, reference)
-    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
-                             world=WORLD, samples=SAMPLES)
-    _assert_metrics_continue(run, reference)
+@pytest.fixture(scope="module")
+def continued(tmp_path_factory) -> dict:
+    """One run stopped by SIGTERM, then continued by the same command line, which loses
+    a worker to SIGKILL; what each stage showed (the tests below assert on it).
 
-
-def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_resumes(
-        reference, tmp_path):
-    # Both ranks park after step 7; SIGTERM goes to `ddpkit launch` (torchrun's agent),
-    # which passes it to its workers and their DataLoader workers, as SLURM does.
-    run = tmp_path / "run"
+    Both ranks park after step 7; SIGTERM goes to `ddpkit launch` (torchrun's agent),
+    which passes it to its workers and their DataLoader workers, as SLURM does. The
+    same command with --max-restarts 1 resumes at step 7; rank 1 dies by SIGKILL after
+    step 23 (epoch 2); the last checkpoint is step 20, so the restarted workers replay
+    steps 21-23 from the middle of the epoch.
+    """
+    run = tmp_path_factory.mktemp("continued") / "run"
+    seen: dict = {"run": run}
     proc = _start(run, env=_env(DDPKIT_TEST_SLEEP_AT_STEP="7:*:120"))
     deadline = time.monotonic() + 120
 
@@ -130,25 +134,44 @@ def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_resumes
         return all(log.exists() and '{"step": 7,' in log.read_text() for log in logs)
 
     while not parked():
-        assert proc.poll() is None and time.monotonic() < deadline, "step 7 was not reached"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _finish(proc, timeout=1)
+            pytest.fail("step 7 was not reached")
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
-    code, text = _finish(proc, timeout=90)
+    seen["stopped"] = _finish(proc, timeout=90)
+    manifest = run / "checkpoints" / "step_000000007.json"
+    seen["manifest"] = json.loads(manifest.read_text()) if manifest.exists() else None
+    seen["model_after_stop"] = (run / "model.pt").exists()
+
+    seen["resumed"] = _run(run, "--max-restarts", "1", DDPKIT_TEST_KILL_AT_STEP="23:1")
+    return seen
+
+
+def test_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, continued):
+    code, text = continued["resumed"]
+    assert code == 0, text[-3000:]
+    assert "exitcode: -9" in text  # the agent saw the SIGKILL...
+    assert "resumed at step 20 (epoch 2, sample 128 of 512)" in text  # ...and the restart resumed
+    assert "done: 32 steps (this attempt from step 20)" in text
+    run = continued["run"]
+    _assert_ends_like(run, reference)
+
+
+def test_sigterm_stops_every_rank_with_a_checkpoint_and_the_same_command_resumes(
+        reference, continued):
+    code, text = continued["stopped"]
     assert code == 128 + signal.SIGTERM, text[-3000:]
     assert "DataLoader worker" not in text, text[-3000:]
-    manifest = json.loads((run / "checkpoints" / "step_000000007.json").read_text())
-    assert manifest["reason"] == "preempted"
+    assert continued["manifest"] is not None and continued["manifest"]["reason"] == "preempted"
     assert text.count("stopped at step 7; the same command continues") == WORLD
-    assert not (run / "model.pt").exists()
+    assert not continued["model_after_stop"]
 
-    code, text = _run(run)
+    code, text = continued["resumed"]
     assert code == 0, text[-3000:]
     assert "resumed at step 7 (epoch 1, sample 224 of 512)" in text
-    assert "done: 32 steps (this attempt from step 7)" in text
-    _assert_same_params(run, reference)
-    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
-                             world=WORLD, samples=SAMPLES)
-    _assert_metrics_continue(run, reference)
+    run = continued["run"]
+    _assert_ends_like(run, reference)
 
 
 def test_a_rank_that_stops_arriving_is_named(tmp_path):

@@ -1,8 +1,7 @@
-"""End to end: `ddpkit train` launches 2 processes through torchrun's agent for one epoch."""
+"""End to end: `ddpkit train` launches 2 processes through torchrun's agent for one epoch
+(the launch is the session's ``default_train_run``, tests/conftest.py)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,13 +19,8 @@ def _one_epoch_in_pool(world, cfg_dict):
 
 
 @pytest.mark.slow
-def test_ddpkit_train_two_processes_one_epoch(tmp_path, pools):
-    out = tmp_path / "runs"
-    argv = ["--epochs", "1", "--seed", "7", "--out-dir", str(out)]  # default engine: ddpkit
-    proc = subprocess.run([sys.executable, "-m", "ddpkit.cli", "train", "--nproc-per-node", "2",
-                           *argv], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = out.iterdir()  # one new run directory
+def test_ddpkit_train_two_processes_one_epoch(default_train_run, pools):
+    proc, run_dir = default_train_run  # default engine: ddpkit
     assert sorted(p.name for p in run_dir.iterdir()) == [
         "checkpoints", "config.json", "curves.png", "metrics.jsonl", "model.pt", "summary.json"]
     # One checkpoint at the epoch's end, the final one, holding the final model.

@@ -1,12 +1,13 @@
-"""`ddpkit train` end to end under faults: a SIGKILLed worker and (marked ``chaos``) the
-launcher SIGKILLed then a preemption signal, each followed by the same command line, a
-full disk, a stopped rank.
+"""`ddpkit train` end to end under faults: one run whose launcher is SIGKILLed, then
+stopped by a preemption signal, then loses a SIGKILLed worker, each followed by the same
+command line; (marked ``chaos``) a full disk, a stopped rank.
 
 Every run is the same small job (synthetic data, 300 samples, global batch 32: 10 steps
 per epoch, the last one padded; 2 epochs; 2 processes; a checkpoint every 4 steps).
-An uninterrupted run is the reference: a run that lost a worker, or that was stopped
-and resumed, must end with the very same parameters, bit for bit, and its sample-id log
-must show every sample of every epoch trained on exactly once.
+The job uninterrupted, trained once per session on 2 pooled ranks, is the reference: a
+run that lost a worker, or that was stopped and resumed, must end with the very same
+parameters, bit for bit, and its sample-id log must show every sample of every epoch
+trained on exactly once.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ from ddpkit.train.report import read_jsonl
 from sample_audit import assert_every_sample_once
 
 SAMPLES, STEPS_PER_EPOCH, EPOCHS = 300, 10, 2
-JOB = ["--nproc-per-node", "2", "--data", "synthetic", "--synthetic-size", str(SAMPLES),
-       "--batch-size", "32", "--epochs", str(EPOCHS), "--hidden", "32", "--threads", "1",
-       "--no-progress", "--checkpoint-every-steps", "4", "--log-sample-ids"]
+TRAIN = ["--data", "synthetic", "--synthetic-size", str(SAMPLES), "--batch-size", "32",
+         "--epochs", str(EPOCHS), "--hidden", "32", "--threads", "1", "--no-progress",
+         "--checkpoint-every-steps", "4", "--log-sample-ids"]
+JOB = ["--nproc-per-node", "2", *TRAIN]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -79,11 +81,6 @@ def _train(*argv: str, **env: str) -> tuple[int, str]:
     return _finish(_start(*JOB, *argv, env=_env(**env)))
 
 
-def _only_run(out: Path) -> Path:
-    (run,) = out.iterdir()
-    return run
-
-
 def _final_params(run: Path) -> dict[str, torch.Tensor]:
     return torch.load(run / "model.pt", weights_only=True)
 
@@ -103,33 +100,26 @@ def _assert_metrics_continue(run: Path, reference: Path) -> None:
             assert a[key] == b[key], key
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reference")
-    code, text = _train("--out-dir", str(out))
-    assert code == 0, text[-3000:]
-    return _only_run(out)
-
-
-def test_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, tmp_path):
-    # Rank 1 dies by SIGKILL after step 15 (epoch 2, mid-epoch). The last checkpoint is
-    # step 12, so the restarted workers replay steps 13-15.
-    code, text = _train("--out-dir", str(tmp_path), "--max-restarts", "1",
-                        DDPKIT_TEST_KILL_AT_STEP="15:1")
-    assert code == 0, text[-3000:]
-    assert "exitcode: -9" in text  # the agent saw the SIGKILL...
-    assert "resumed at step 12 (epoch 2" in text  # ...and the restart continued
-    run = _only_run(tmp_path)
+def _assert_ends_like(run: Path, reference: Path) -> None:
+    """A faulted and continued run ended as the uninterrupted one: its parameters, bit
+    for bit, every sample of every epoch once, each metrics record once, with its values."""
     _assert_same_params(run, reference)
     assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
                              world=2, samples=SAMPLES)
     _assert_metrics_continue(run, reference)
 
 
+@pytest.fixture(scope="module")
+def reference(train_reference) -> Path:
+    """The job uninterrupted, on 2 pooled ranks (no launch: tests/train_reference.py)."""
+    return train_reference(2, TRAIN)
+
+
 # ---------------------------------------------------------------------- chaos (subset)
 # The chaos run (benchmarks/chaos.py) tries every fault many times; these are one of each
 # kind that must never regress, in as few launches as tell them apart: the launcher
-# SIGKILLed and a preemption signal, a full disk, a stopped rank.
+# SIGKILLed, a preemption signal and a SIGKILLed worker in one run continued by the same
+# command line; a full disk; a stopped rank.
 def _wait_for(path_glob: Path | str, proc: subprocess.Popen, root: Path, limit: float = 180):
     deadline = time.monotonic() + limit
     while not list(root.glob(str(path_glob))):
@@ -138,50 +128,84 @@ def _wait_for(path_glob: Path | str, proc: subprocess.Popen, root: Path, limit: 
         time.sleep(0.1)
 
 
-@pytest.mark.chaos
-def test_killed_launcher_and_sigterm_each_end_and_the_same_command_continues(
-        reference, tmp_path):
-    # 1. `ddpkit train --max-restarts 2` is SIGKILLed while both ranks are parked after
-    #    step 5: its workers go with it, and nothing writes to the run directory after.
-    run, marker = tmp_path / "run", uuid.uuid4().hex
+@pytest.fixture(scope="module")
+def continued(tmp_path_factory) -> dict:
+    """One run that meets three faults, each followed by the same command line, and what
+    each stage showed (the tests below assert on it):
+
+    1. `ddpkit train --max-restarts 2` is SIGKILLed while both ranks are parked after
+       step 5: its workers must go with it, and nothing may write to the run after;
+    2. the same command line (a scheduler's rerun) continues; SIGTERM, as SLURM sends at
+       the end of an allocation, stops every rank after step 9 with a checkpoint;
+    3. --resume; rank 1 straggles for 2 s after step 12, within --collective-timeout 6
+       (that is fine), then dies by SIGKILL after step 15 (epoch 2, mid-epoch): the agent
+       restarts the workers from step 12's checkpoint, and they replay steps 13-15.
+    """
+    seen: dict = {"run": tmp_path_factory.mktemp("continued") / "run"}
+    run, marker = seen["run"], uuid.uuid4().hex
     argv = (*JOB, "--run-dir", str(run), "--max-restarts", "2")
     proc = _start(*argv, env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:120", **{MARKER: marker}))
-    _wait_for("checkpoints/step_000000004.json", proc, run)
-    while worker_pid(marker, 1) is None:  # both workers up and parked after step 5
-        time.sleep(0.1)
-    # Exposure: a single-node run listens on loopback only (stores and gloo alike).
-    sockets = listening_sockets(marked(marker))
-    assert sockets and all(is_loopback(s) for s in sockets), sockets
-    before = sorted(p.name for p in (run / "checkpoints").iterdir())
-    proc.kill()  # SIGKILL: no handler runs in the launcher
-    proc.communicate()
-    gone = seconds_until_gone(marker, limit=10)
-    assert gone is not None and gone < 5, "workers outlived their launcher"
+    try:
+        _wait_for("checkpoints/step_000000004.json", proc, run)
+        while worker_pid(marker, 1) is None:  # both workers up and parked after step 5
+            assert proc.poll() is None, _finish(proc)[1][-3000:]
+            time.sleep(0.1)
+        seen["sockets"] = listening_sockets(marked(marker))
+        seen["before"] = sorted(p.name for p in (run / "checkpoints").iterdir())
+    finally:
+        proc.kill()  # SIGKILL: no handler runs in the launcher
+        proc.communicate()
+    seen["gone"] = seconds_until_gone(marker, limit=10)
     time.sleep(1)
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before  # no headless writer
+    seen["after"] = sorted(p.name for p in (run / "checkpoints").iterdir())
 
-    # 2. The same command line (a scheduler's rerun) continues. SIGTERM, as SLURM sends at
-    #    the end of an allocation, then stops every rank after step 9 with a checkpoint.
     proc = _start(*argv, env=_env(DDPKIT_TEST_SLEEP_AT_STEP="9:*:120"))
     _wait_for("checkpoints/step_000000008.json", proc, run)
     proc.send_signal(signal.SIGTERM)
-    code, text = _finish(proc, timeout=90)
+    seen["stopped"] = _finish(proc, timeout=90)
+    manifest = run / "checkpoints" / "step_000000009.json"
+    seen["manifest"] = json.loads(manifest.read_text()) if manifest.exists() else None
+    seen["summary_after_stop"] = (run / "summary.json").exists()
+
+    seen["resumed"] = _train("--resume", str(run), "--collective-timeout", "6",
+                             "--max-restarts", "1", DDPKIT_TEST_SLEEP_AT_STEP="12:1:2",
+                             DDPKIT_TEST_KILL_AT_STEP="15:1")
+    return seen
+
+
+def test_killed_worker_is_restarted_and_the_run_ends_bit_identical(reference, continued):
+    code, text = continued["resumed"]
+    assert code == 0, text[-3000:]
+    assert "exitcode: -9" in text  # the agent saw the SIGKILL...
+    assert "resumed at step 12 (epoch 2" in text  # ...and restarted
+    run = continued["run"]
+    _assert_ends_like(run, reference)
+
+
+@pytest.mark.chaos
+def test_killed_launcher_and_sigterm_each_end_and_the_same_command_continues(
+        reference, continued):
+    run = continued["run"]
+    # 1. Exposure: a single-node run listens on loopback only (stores and gloo alike).
+    sockets = continued["sockets"]
+    assert sockets and all(is_loopback(s) for s in sockets), sockets
+    gone = continued["gone"]
+    assert gone is not None and gone < 5, "workers outlived their launcher"
+    assert continued["after"] == continued["before"]  # no headless writer
+
+    # 2. The same command line continued the run; SIGTERM stopped it with a checkpoint.
+    code, text = continued["stopped"]
     assert code == EXIT_PREEMPTED, text[-3000:]
     assert f"--run-dir {run} holds this run, stopped at step 4: continuing it" in text
-    manifest = json.loads((run / "checkpoints" / "step_000000009.json").read_text())
-    assert manifest["reason"] == "preempted"
+    assert continued["manifest"] is not None and continued["manifest"]["reason"] == "preempted"
     assert f"continue with: ddpkit train --resume {run}" in text
-    assert not (run / "summary.json").exists()  # the run is not over
+    assert not continued["summary_after_stop"]  # the run is not over
 
-    # 3. --resume; rank 1 now straggles for 2 s, within --collective-timeout 6: that is fine.
-    code, text = _train("--resume", str(run), "--collective-timeout", "6",
-                        DDPKIT_TEST_SLEEP_AT_STEP="12:1:2")
+    # 3. --resume continued from the preemption's checkpoint, to the uninterrupted bits.
+    code, text = continued["resumed"]
     assert code == 0, text[-3000:]
     assert "resumed at step 9 (epoch 1, sample 288 of 300)" in text, text[-3000:]
-    _assert_same_params(run, reference)
-    assert_every_sample_once(run, reference, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH,
-                             world=2, samples=SAMPLES)
-    _assert_metrics_continue(run, reference)
+    _assert_ends_like(run, reference)
 
 
 @pytest.mark.chaos

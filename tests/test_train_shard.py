@@ -1,5 +1,8 @@
 """`ddpkit train --shard`: the same run as unsharded, with 1/W of the optimizer state per
-rank, per-rank memory in the log and summary, and one checkpoint file per rank."""
+rank, per-rank memory in the log and summary, and one checkpoint file per rank.
+
+The job is the default one (SGD with momentum: a state tensor per parameter to shard);
+the unsharded run is the session's ``default_train_run`` (tests/conftest.py)."""
 
 import json
 import subprocess
@@ -10,19 +13,18 @@ import torch
 from ddpkit.train.report import read_jsonl
 
 
-def _train(out, shard):
-    argv = ["--epochs", "1", "--seed", "3", "--optimizer", "adamw", "--lr", "0.001",
-            "--out-dir", str(out), "--shard", shard, "--no-progress"]
+def test_sharded_run_equals_unsharded_with_half_the_optimizer_state(default_train_run,
+                                                                   tmp_path):
+    # The unsharded run is the session's default run: these options, --shard none.
+    _, plain_dir = default_train_run
+    out = tmp_path / "sharded"
     proc = subprocess.run([sys.executable, "-m", "ddpkit.cli", "train", "--nproc-per-node", "2",
-                           *argv], capture_output=True, text=True, timeout=300)
+                           "--epochs", "1", "--seed", "7", "--out-dir", str(out),
+                           "--shard", "gradients", "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = out.iterdir()
-    return run_dir, proc.stderr
-
-
-def test_sharded_run_equals_unsharded_with_half_the_optimizer_state(tmp_path):
-    plain_dir, _ = _train(tmp_path / "plain", "none")
-    run_dir, stderr = _train(tmp_path / "sharded", "gradients")
+    stderr = proc.stderr
     plain = torch.load(plain_dir / "model.pt", weights_only=True)
     sharded = torch.load(run_dir / "model.pt", weights_only=True)
     assert plain.keys() == sharded.keys()
