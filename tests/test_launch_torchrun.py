@@ -31,10 +31,18 @@ record = {"env": env, "argv": sys.argv, "name": __name__,
           "write_through": sys.stdout.write_through, "cwd": os.getcwd()}
 attempt = env.get("TORCHELASTIC_RESTART_COUNT", "-")
 out = os.path.join(env["PROBE_OUT"], f"attempt{attempt}.rank{env.get('RANK')}.json")
-with open(out, "w") as f:
+with open(out + ".tmp", "w") as f:
     json.dump(record, f)
+os.replace(out + ".tmp", out)  # whole when it appears (a peer waits for it below)
 print(f"PROBE rank={env.get('RANK')} local={env.get('LOCAL_RANK')} attempt={attempt}", flush=True)
 if env.get("PROBE_FAIL_ONCE") and attempt == "0" and env.get("RANK") == "1":
+    # Fail only once rank 0 has written its record: the agent stops rank 0 as soon as
+    # rank 1 exits, and under load rank 0 may not have got this far yet.
+    import time
+    peer = os.path.join(env["PROBE_OUT"], "attempt0.rank0.json")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(peer) and time.monotonic() < deadline:
+        time.sleep(0.02)
     sys.exit(3)
 """
 
