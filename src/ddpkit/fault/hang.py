@@ -133,9 +133,9 @@ class ProgressBoard:
         """Stamp this rank's heartbeat (its process is running)."""
         self.store.set(f"{self.prefix}/beat{self.rank}", f"{time.time():.3f}")
 
-    def stale(self, seq: int) -> list[tuple[int, float]]:
-        """Peers that reached point ``seq`` but whose heartbeat is older than
-        :data:`STALE_BEAT_S` (their process stopped running there): (rank, age)."""
+    def stale(self) -> list[tuple[int, float]]:
+        """Peers whose heartbeat is older than :data:`STALE_BEAT_S` (their process stopped
+        running while in a guarded section): (rank, age)."""
         now, out = time.time(), []
         for rank in range(self.world_size):
             key = f"{self.prefix}/beat{rank}"
@@ -238,7 +238,7 @@ class Watchdog:
                 f"rank {self.board.rank}: {name!r} at step {step} lost its connection to a "
                 "peer that had reached it too (that peer failed first; see its error)"
             )
-        elif stale := self.board.stale(seq):
+        elif stale := self.board.stale():  # every rank reached it
             who = ", ".join(f"rank {r} (no heartbeat for {age:.0f} s)" for r, age in stale)
             message = (
                 f"rank {self.board.rank}: {name!r} at step {step} did not complete within "
