@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ddpkit import lifetime
+from ddpkit import host_malloc, lifetime
 from ddpkit.errors import ConfigError, ConfigTypeError, UsageError
 from ddpkit.parallel import exact_reducer, sharded_state, torch_compat, transport
 from ddpkit.parallel.buckets import MIB, Allocator, size_limits
@@ -301,6 +301,10 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         self.is_multi_device_module = len(devices) > 1
         self.device = next(iter(self.module.parameters())).device if devices else None
         self.device_type = self.device.type if self.device is not None else "cpu"
+        if "cpu" in {d.type for d in devices}:
+            # autograd allocates CPU gradients anew each backward: keep freed large blocks
+            # in the heap so that they do not fault in again every step (host_malloc)
+            host_malloc.keep_large_blocks_here()
 
     def _check_module(self) -> None:
         """What torch refuses about the module itself, before any communication."""
