@@ -257,6 +257,8 @@ def pools():
         return made[world_size]
 
     yield get
+    for pool in made.values():  # all pools wind down at once, then each is waited for
+        pool.ask_to_stop()
     for pool in made.values():
         pool.close()
 
