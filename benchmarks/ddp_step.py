@@ -69,11 +69,11 @@ import ddpkit
 SIZES = (1024, 2048, 2048, 1024, 10)
 
 
-def make_mlp() -> nn.Module:
+def make_mlp(sizes: tuple[int, ...] = SIZES) -> nn.Module:
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(SIZES, SIZES[1:])):
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
         layers.append(nn.Linear(a, b))
-        if i < len(SIZES) - 2:
+        if i < len(sizes) - 2:
             layers.append(nn.ReLU())
     return nn.Sequential(*layers)
 
@@ -98,10 +98,10 @@ def ddpkit_options(hook: str | None, comm: str | None) -> dict:
     return {"comm_hook": HOOKS[hook]}
 
 
-def make_batches(batch: int, rank: int, round_index: int) -> list:
+def make_batches(batch: int, rank: int, round_index: int, sizes: tuple[int, ...]) -> list:
     g = torch.Generator().manual_seed(1000 * round_index + 1 + rank)
-    return [(torch.randn(batch, SIZES[0], generator=g),
-             torch.randint(0, SIZES[-1], (batch,), generator=g)) for _ in range(4)]
+    return [(torch.randn(batch, sizes[0], generator=g),
+             torch.randint(0, sizes[-1], (batch,), generator=g)) for _ in range(4)]
 
 
 def build(name: str, base: nn.Module, opts: dict) -> nn.Module:
@@ -151,7 +151,7 @@ UNCHECKED = (*COMPUTE_ONLY, *TIMING_ONLY)
 def worker(world: ddpkit.World, opts: dict) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    base = make_mlp()
+    base = make_mlp(opts["sizes"])
     W, rank = world.world_size, world.rank
     names = list(opts["variants"])
     models = {n: build(n, base, opts) for n in names}
@@ -182,7 +182,7 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
         return elapsed
 
     for round_index in range(opts["rounds"]):
-        batches = make_batches(opts["batch"], rank, round_index)
+        batches = make_batches(opts["batch"], rank, round_index, opts["sizes"])
         steps_done = dict.fromkeys(names, 0)
         for name in random.Random(round_index).sample(names, len(names)):
             dist.barrier()
@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comm hook for the ddpkit variant instead")
     p.add_argument("--variants", default="single,local,torch,torch_gbv,torch_shm,ddpkit",
                    help=f"comma-separated, of: {', '.join(VARIANTS)}")
+    p.add_argument("--sizes", default="-".join(map(str, SIZES)),
+                   help="the MLP's layer widths, input first (default: the 8.4M-parameter MLP)")
     p.add_argument("--json", default=os.path.join("benchmarks", "results", "ddp_step.json"))
     args = p.parse_args(argv)
     variants = args.variants.split(",")
@@ -240,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     opts = {"batch": args.batch, "rounds": args.rounds, "steps": args.steps,
             "warmup": args.warmup, "bucket_cap_mb": args.bucket_cap_mb, "hook": args.hook,
-            "comm": args.comm, "variants": variants}
-    n_params = sum(p.numel() for p in make_mlp().parameters())
-    print(f"ddp_step: MLP {'-'.join(map(str, SIZES))} ({n_params / 1e6:.1f}M params), "
+            "comm": args.comm, "variants": variants,
+            "sizes": tuple(int(w) for w in args.sizes.split("-"))}
+    n_params = sum(p.numel() for p in make_mlp(opts["sizes"]).parameters())
+    print(f"ddp_step: MLP {'-'.join(map(str, opts['sizes']))} ({n_params / 1e6:.1f}M params), "
           f"batch {args.batch}/rank, {args.world_size} ranks gloo, 1 thread/rank, "
           f"ddpkit comm={args.comm or 'default'} hook={args.hook or 'none'}", file=sys.stderr)
     load_before = os.getloadavg()
