@@ -22,8 +22,10 @@ shard) + ``SGD.step``, each variant with the process-wide settings its mode has
 (exact mode: torch's deterministic algorithms on); reported is the median on rank 0.
 Exact steps are also taken apart (medians per step, rank 0): the sum's phases (local
 max, the MAX all-reduce, encode, the SUM all-reduce, decode) and the rest (the shards'
-forward and backward, moving each shard's gradients into its row, zero_grad and the
-SGD step).
+forward and backward, zero_grad and the SGD step).
+
+The workers run with the heap settings ``ddpkit launch`` and ``ddpkit train`` give
+theirs (:mod:`ddpkit.host_malloc`; ``DDPKIT_SYSTEM_MALLOC=1`` keeps glibc's defaults).
 
 Run:  python benchmarks/exact_step.py [--world-size 2 --rounds 7 --json out.json]
 """
@@ -46,6 +48,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.bench.output import write_json
+from ddpkit.host_malloc import worker_malloc_env
 from ddpkit.parallel.exact_reducer import ExactReducer
 from ddpkit.parallel.exact_sum import ExactMean
 from ddpkit.shard_count import default_virtual_shards
@@ -179,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup}
     print(f"exact_step: {args.world_size} ranks gloo, 1 thread/rank, cases "
           f"{_cases(opts)}", file=sys.stderr)
+    # The workers get the heap settings `ddpkit launch`/`ddpkit train` give theirs (both
+    # modes alike): without them every pass's fresh gradients fault their pages in.
+    os.environ.update(worker_malloc_env())
     load_before = os.getloadavg()
     results = ddpkit.spawn(worker, nprocs=args.world_size, args=(opts,))
     load_after = os.getloadavg()
@@ -194,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = ms / defaults[f"{model_name}|{batch}"]
         phases = {k: statistics.median(v) * 1e3 for k, v in r["phases"].items()}
         if phases:
-            # the rest: the shards' forward/backward and gradient moves, zero_grad, SGD
+            # the rest: the shards' forward/backward, zero_grad, SGD
             phases["rest"] = ms - sum(phases.values())
         same = len({res[key]["checksum"] for res in results}) == 1
         rows.append({"model": model_name, "global_batch": int(batch), "variant": variant,
