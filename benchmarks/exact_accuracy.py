@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 import ddpkit
 from ddpkit.parallel.exact_sum import ExactMean
 
@@ -33,6 +35,11 @@ def worker(world, batch_size: int, epochs: int) -> dict:
 
     def measured(self, slots, out, **kwargs):
         result = original(self, slots, out, **kwargs)
+        if not isinstance(slots, torch.Tensor):  # per row, one gradient per parameter
+            slots = torch.stack([
+                torch.cat([torch.zeros(size) if t is None else t
+                           for t, size in zip(row, self.segments, strict=True)])
+                for row in slots])
         terms = slots.double()
         truth = terms.sum(0) / self.terms
         scale = terms.abs().amax(0).clamp_min(1e-300)

@@ -12,10 +12,10 @@ rank runs the V/W it owns one after another::
 Each shard's forward and backward see the same inputs (the same contiguous shapes),
 the same random numbers (torch's generators seeded from (seed, step, shard)) and the
 same intra-op thread count wherever they run, so each shard's gradient has the same
-bits on any rank. When the shard's backward ends, its gradients are moved into this
-rank's row for that shard (``param.grad`` goes back to None, so the next shard's
-backward starts clean).
-When the last local shard's backward ends, the rows are summed with
+bits on any rank. When the shard's backward ends, its gradients are kept as autograd
+left them (``param.grad`` goes back to None, so the next shard's backward starts
+clean).
+When the last local shard's backward ends, the kept gradients are summed with
 :class:`ddpkit.parallel.exact_sum.ExactMean` (an associative fixed-point sum, one MAX
 and one SUM all-reduce) and ``.grad`` holds the mean over the V shards: the sum does
 not depend on which rank held which shard, so neither do the bits.
@@ -85,7 +85,7 @@ class ExactReducer:
     name = "exact"  # as the engine's transport
     reduces_inline = True
     comm_hook = None
-    buckets: list = []  # no gradient buckets: one row per local shard instead
+    buckets: list = []  # no gradient buckets: each local shard's gradients are kept
 
     def __init__(self, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]],
                  group, *, virtual_shards: int | None, comm: str,
@@ -132,8 +132,10 @@ class ExactReducer:
             self._offsets.append(total)
             total += p.numel()
         self.numel = total
-        self._slots: torch.Tensor | None = None  # [V/W, numel] float32: a row per shard
-        self._rows: list[list[torch.Tensor]] = []  # per row, a view per parameter
+        # Per local shard of this step: its gradients as autograd left them (flat views,
+        # None where unused), kept until the step's sum: no copy into a row.
+        self._kept: list[list[torch.Tensor | None]] = []
+        self._local_shards = 0
         self._result = torch.empty(total, dtype=torch.float32, device=self.device)
         self._mean: ExactMean | None = None
         self._local: int | None = None  # the local shard being run, inside shards()
@@ -218,6 +220,7 @@ class ExactReducer:
             self.armed = False
             if not finished:
                 self._done = 0
+                self._kept = []
 
     def _begin_step(self, local_shards: int) -> None:
         leftover = [self.names[i] for i, p in enumerate(self.params) if p.grad is not None]
@@ -226,15 +229,13 @@ class ExactReducer:
                 f"exact mode: {leftover[0]!r} still has a gradient when a step's shards begin; "
                 "call optimizer.zero_grad() (set_to_none=True, its default) before each step "
                 "(exact mode accumulates across shards, not across steps)")
-        if self._slots is None or self._slots.shape[0] != local_shards:
-            self._slots = torch.empty(local_shards, self.numel, dtype=torch.float32,
-                                      device=self.device)
-            self._rows = [[self._slots[m, o:o + p.numel()].view_as(p)
-                           for o, p in zip(self._offsets, self.params, strict=True)]
-                          for m in range(local_shards)]
+        if self._mean is None or self._local_shards != local_shards:
             self._mean = ExactMean(local_shards, self.numel, self.virtual_shards,
                                    extra=len(self.params), device=self.device,
-                                   allocate=self._shm.allocate if self._shm else None)
+                                   allocate=self._shm.allocate if self._shm else None,
+                                   segments=[p.numel() for p in self.params])
+            self._local_shards = local_shards
+        self._kept = []
         self._done = 0
         self._used = [False] * len(self.params)
         self._captured = [False] * local_shards
@@ -306,7 +307,7 @@ class ExactReducer:
         return hook
 
     def _end_of_backward(self) -> None:
-        """A shard's backward is over: its gradients go to its row, ``.grad`` to None."""
+        """A shard's backward is over: its gradients are kept, ``.grad`` goes to None."""
         self._callback_queued = False
         self.armed = False
         m = self._local
@@ -327,20 +328,13 @@ class ExactReducer:
         if sparse is not None:
             raise DdpkitError(f"parameter {self.names[sparse]!r} has a sparse gradient; exact "
                               "mode sums dense gradients (nn.Embedding(sparse=False))")
-        views = self._rows[m]
-        if missing:
-            for i in missing:  # contributes zeros
-                views[i].zero_()
-            used = [i for i, g in enumerate(grads) if g is not None]
-            torch._foreach_copy_([views[i] for i in used], [grads[i] for i in used])
-        else:
-            torch._foreach_copy_(views, grads)  # one pass for every parameter
+        self._kept.append([None if g is None else _flat_float32(g) for g in grads])
         for i, p in enumerate(self.params):
             if grads[i] is not None:
                 self._used[i] = True
                 p.grad = None  # the next shard's backward writes a fresh gradient
         self._done += 1
-        if self._done == len(self._rows):
+        if self._done == self._local_shards:
             self._reduce()
 
     def _reduce(self) -> None:
@@ -349,10 +343,13 @@ class ExactReducer:
         # Inside backward (this is its end callback): collectives must not capture
         # autograd's Python thread-local state (see ddpkit.lifetime).
         with no_python_tls():
-            self._mean.mean(self._slots, self._result,
-                            all_reduce_max=self._collective("max") if many else None,
-                            all_reduce_sum=self._collective("sum") if many else None,
-                            extra_max=used)
+            try:
+                self._mean.mean(self._kept, self._result,
+                                all_reduce_max=self._collective("max") if many else None,
+                                all_reduce_sum=self._collective("sum") if many else None,
+                                extra_max=used)
+            finally:
+                self._kept = []  # the shards' gradients go back to the allocator
         with torch.no_grad():
             for i, (p, anywhere) in enumerate(zip(self.params, used.tolist(), strict=True)):
                 if not anywhere:
@@ -379,6 +376,14 @@ class ExactReducer:
                 comm_all_reduce(tensor, op=op, algo=self.algo, group=self.group)
 
         return run
+
+
+def _flat_float32(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as the sum reads it: float32, its elements in the parameter's logical
+    order (a copy only for another dtype or a non-contiguous layout)."""
+    if grad.dtype != torch.float32:
+        grad = grad.float()
+    return grad.reshape(-1)
 
 
 def attach(model: Any, module: nn.Module, trainable: Sequence[tuple[str, nn.Parameter]],
