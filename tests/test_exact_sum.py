@@ -47,8 +47,13 @@ def _grouped_mean(terms, groups: list[list[int]], order: list[int], *,
         v, n = len(terms), sum(segments)
     ranks = [ExactMean(len(g), n, v, segments=segments) for g in groups]
 
-    def rows(group):
-        return terms[group] if segments is None else [terms[k] for k in group]
+    def rows(group):  # per segment: the group's terms (the first segment stacked)
+        if segments is None:
+            return terms[group]
+        columns = [[terms[k][j] for k in group if terms[k][j] is not None]
+                   for j in range(len(segments))]
+        columns[0] = torch.stack(columns[0]) if columns[0] else torch.empty(0, segments[0])
+        return columns
 
     for mean, group in zip(ranks, groups, strict=True):
         mean.local_max(rows(group))
@@ -101,8 +106,9 @@ def test_same_bits_for_every_grouping_and_order():
 
 def test_rows_of_per_parameter_gradients_give_the_bits_of_one_tensor():
     """A shard's gradients summed where autograd left them (one tensor per parameter,
-    None for a parameter the shard did not use) give the bits of the same terms copied
-    into rows with zeros, for every grouping; segments span several pieces."""
+    missing for a parameter the shard did not use) or stacked give the bits of the same
+    terms copied into rows with zeros, for every grouping; segments span several
+    pieces."""
     v, segments = 8, [5, 70_001, 1, 3_000]
     terms = _terms(v, sum(segments), seed=3)
     unused = {(1, 0), (2, 2), (5, 0), (6, 3)} | {(k, 2) for k in range(v) if k != 2}
@@ -116,7 +122,7 @@ def test_rows_of_per_parameter_gradients_give_the_bits_of_one_tensor():
         rows.append(row)
     n = sum(segments)
     reference = _bits(ExactMean(v, n, v).mean(terms, torch.empty(n)))
-    got = ExactMean(v, n, v, segments=segments).mean(rows, torch.empty(n))
+    got = _grouped_mean(rows, [list(range(v))], [0], segments=segments)
     assert torch.equal(_bits(got), reference)
     for groups, order in (([[0, 3, 5, 6], [1, 2, 4, 7]], [1, 0]),
                           ([[7, 1], [0, 6], [3, 4], [2, 5]], [2, 0, 3, 1])):
@@ -125,9 +131,11 @@ def test_rows_of_per_parameter_gradients_give_the_bits_of_one_tensor():
     # A rank none of whose rows has a segment contributes zeros to its max, whatever
     # the instance held before.
     mean = ExactMean(2, n, v, segments=segments)
-    mean.local_max([list((terms[k] * 1e30).split(segments)) for k in (0, 1)])
+    mean.local_max([list(c) for c in (terms[:2] * 1e30).split(segments, dim=1)])
     start = sum(segments[:2])
-    assert (mean.local_max([rows[0], rows[3]])[start:start + segments[2]] == 0).all()
+    mine = [[rows[k][j] for k in (0, 3) if rows[k][j] is not None]
+            for j in range(len(segments))]
+    assert (mean.local_max(mine)[start:start + segments[2]] == 0).all()
 
 
 def test_non_finite_terms_give_the_same_non_finite_result_everywhere():

@@ -80,23 +80,22 @@ def fixed_point_bits(terms: int) -> int:
     return 53 - (terms - 1).bit_length()  # (terms - 1).bit_length() == ceil(log2(terms))
 
 
-Row = Sequence[torch.Tensor | None]
+# One segment's local terms: a ``[k, size]`` tensor (k terms stacked) or k 1-D tensors.
+Column = torch.Tensor | Sequence[torch.Tensor]
 
 
 class ExactMean:
     """The mean of ``terms`` float32 rows, reproducible bit for bit for any grouping of
     the rows into processes. One instance per shape: it keeps its buffers.
 
-    A row is this process's term for all ``n`` elements: either one row of a
-    ``[rows, n]`` tensor, or a sequence of 1-D float32 tensors of the lengths
-    ``segments`` (their concatenation; None stands for zeros), so that a shard's
-    gradients are summed where autograd left them, without first copying them into one
-    row.
+    ``mean(slots, out)`` with ``slots`` this process's ``[rows, n]`` rows; the other
+    ``terms - rows`` rows are on the processes ``all_reduce_max``/``all_reduce_sum``
+    reach (in place, across them; None: this process holds every row).
 
-    ``mean(slots, out)`` with ``slots`` this process's ``[rows, n]`` rows (or a list of
-    rows); the other ``terms - rows`` rows are on the processes
-    ``all_reduce_max``/``all_reduce_sum`` reach (in place, across them; None: this
-    process holds every row).
+    With ``segments`` (lengths adding up to n), ``slots`` may instead be given per
+    segment, as that segment's local terms: stacked in a ``[k, size]`` tensor, or as k
+    1-D tensors (a shard's gradient where autograd left it, summed without first being
+    copied into a row), k <= rows; a missing term is a zero term.
     """
 
     def __init__(self, rows: int, n: int, terms: int, *, extra: int = 0,
@@ -128,6 +127,7 @@ class ExactMean:
         self.total = allocate(n, torch.float64, device)
         width = min(n, self.piece)
         self._scratch = torch.empty(width, dtype=torch.float32, device=device)
+        self._scratch2 = torch.empty(max(rows, 1), width, dtype=torch.float32, device=device)
         self._bits = torch.empty(width, dtype=torch.int32, device=device)
         self._scale64 = torch.empty(width, dtype=torch.float64, device=device)
         self._factor = torch.empty(width, dtype=torch.float32, device=device)
@@ -153,19 +153,24 @@ class ExactMean:
             [math.ldexp(1.0, e - self.p - _F32_MAX_FACTOR - twos) for e in range(256)],
             dtype=torch.float64, device=device)
 
-    def _rows(self, slots: torch.Tensor | Sequence[Row]) -> list[Row]:
+    def _columns(self, slots: torch.Tensor | Sequence[Column]) -> list[Column]:
         if isinstance(slots, torch.Tensor):
             if tuple(slots.shape) != (self.rows, self.n):
                 raise ValueError(f"slots {tuple(slots.shape)}, expected {(self.rows, self.n)}")
-            if len(self.segments) == 1:
-                return [[slots[k]] for k in range(self.rows)]
-            return [list(slots[k].split(self.segments)) for k in range(self.rows)]
-        rows = list(slots)
-        if len(rows) != self.rows:
-            raise ValueError(f"{len(rows)} rows, expected {self.rows}")
-        return rows
+            return list(slots.split(self.segments, dim=1))
+        columns = list(slots)
+        if len(columns) != len(self.segments):
+            raise ValueError(f"terms for {len(columns)} segments, expected "
+                             f"{len(self.segments)}")
+        for column, size in zip(columns, self.segments, strict=True):
+            k = len(column)
+            if k > self.rows or any(t.numel() != size for t in column):
+                raise ValueError(f"a segment of {size} elements with {k} terms of "
+                                 f"{[t.numel() for t in column]} elements (at most "
+                                 f"{self.rows} terms)")
+        return columns
 
-    def mean(self, slots: torch.Tensor | Sequence[Row], out: torch.Tensor, *,
+    def mean(self, slots: torch.Tensor | Sequence[Column], out: torch.Tensor, *,
              all_reduce_max: Reduce | None = None, all_reduce_sum: Reduce | None = None,
              extra_max: torch.Tensor | None = None) -> torch.Tensor:
         """``out`` (any float dtype, n elements) = the mean over all terms.
@@ -173,38 +178,41 @@ class ExactMean:
         ``extra_max``: ``extra`` float32 values carried in the same MAX all-reduce
         (per-parameter "used" flags); they hold the reduced values afterwards.
         """
-        rows = self._rows(slots)
+        columns = self._columns(slots)
         maxima = self.maxima
-        self.local_max(rows)
+        self.local_max(columns)
         if self.extra:
             maxima[self.n:].copy_(extra_max.reshape(-1))
         if all_reduce_max is not None:
             all_reduce_max(maxima)
         if self.extra:
             extra_max.copy_(maxima[self.n:].view_as(extra_max))
-        self.encode(rows)
+        self.encode(columns)
         if all_reduce_sum is not None:
             all_reduce_sum(self.total)
         return self.decode(out)
 
-    def local_max(self, slots: torch.Tensor | Sequence[Row]) -> torch.Tensor:
+    def local_max(self, slots: torch.Tensor | Sequence[Column]) -> torch.Tensor:
         """``maxima[i] = max_k |slots[k, i]|``; NaN becomes +inf (a MAX all-reduce
         propagates NaN differently on different backends; +inf it takes the same way).
 
-        Piece by piece over every row at once: each piece of the maxima is written once,
-        from the cache, instead of read and written again for every row."""
-        rows = self._rows(slots)
+        Piece by piece over every term at once: each piece of the maxima is written
+        once, from the cache, instead of read and written again for every term."""
+        columns = self._columns(slots)
         for a, b, j, sa, sb in self._piece_list:
-            maxima = self.maxima[a:b]
-            terms = [row[j][sa:sb] for row in rows if row[j] is not None]
-            if not terms:
+            maxima, column = self.maxima[a:b], columns[j]
+            if not len(column):
                 maxima.zero_()
-                continue
-            torch.abs(terms[0], out=maxima)
-            part = self._scratch[: b - a]
-            for term in terms[1:]:
-                torch.abs(term, out=part)
-                torch.maximum(maxima, part, out=maxima)
+            elif isinstance(column, torch.Tensor):  # stacked: one op for all its terms
+                part = self._scratch2[: len(column), : b - a]
+                torch.abs(column[:, sa:sb], out=part)
+                torch.amax(part, 0, out=maxima)
+            else:
+                torch.abs(column[0][sa:sb], out=maxima)
+                part = self._scratch[: b - a]
+                for term in column[1:]:
+                    torch.abs(term[sa:sb], out=part)
+                    torch.maximum(maxima, part, out=maxima)
             torch.nan_to_num_(maxima, nan=float("inf"), posinf=float("inf"))
         return self.maxima[: self.n]
 
@@ -217,15 +225,12 @@ class ExactMean:
         return torch.bitwise_right_shift(self.maxima[a:b].view(torch.int32),
                                          _F32_MANTISSA_BITS, out=bits)
 
-    def encode(self, slots: torch.Tensor | Sequence[Row]) -> torch.Tensor:
+    def encode(self, slots: torch.Tensor | Sequence[Column]) -> torch.Tensor:
         """``total[i] = sum_k round(slots[k, i] * 2^k_i)`` in float64, exactly."""
-        rows = self._rows(slots)
-        if not rows:
-            return self.total.zero_()
+        columns = self._columns(slots)
         for a, b, j, sa, sb in self._piece_list:
-            total = self.total[a:b]
-            terms = [row[j][sa:sb] for row in rows if row[j] is not None]
-            if not terms:
+            total, column = self.total[a:b], columns[j]
+            if not len(column):
                 total.zero_()
                 continue
             biased = self._biased_exponents(a, b)
@@ -236,14 +241,22 @@ class ExactMean:
                     ((biased < self.p) & (self.maxima[a:b] != 0)).any()):
                 rest = torch.index_select(self._encode_rests, 0, biased,
                                           out=self._rest[: b - a])
-            piece = self._scratch[: b - a]
-            for m, term in enumerate(terms):
-                torch.mul(term, factor, out=piece)  # exact
+            if isinstance(column, torch.Tensor):  # stacked: one op for all its terms
+                piece = self._scratch2[: len(column), : b - a]
+                torch.mul(column[:, sa:sb], factor, out=piece)  # exact
                 if rest is not None:
                     piece.mul_(rest)
                 piece.round_()  # to nearest, ties to even: a function of the term alone
-                # exact: every partial sum is an integer below 2^53; the first term plus
-                # +0 makes a zero sum +0 on any grouping
+                # exact (every partial sum is an integer below 2^53), from +0
+                torch.sum(piece, 0, dtype=torch.float64, out=total)
+                continue
+            piece = self._scratch[: b - a]
+            for m, term in enumerate(column):
+                torch.mul(term[sa:sb], factor, out=piece)
+                if rest is not None:
+                    piece.mul_(rest)
+                piece.round_()
+                # the first term plus +0 makes a zero sum +0 on any grouping
                 if m == 0:
                     torch.add(piece, 0.0, out=total)
                 else:
