@@ -39,15 +39,16 @@ on every grouping (its exponent is pinned and the float64 sum of non-finite valu
 does not depend on order).
 
 :class:`ExactMean` works on ``slots``: one row per local term (e.g. per virtual shard),
-either a ``[rows, n]`` float32 tensor or, per row, a list of 1-D tensors (a shard's
-gradients where autograd left them, one per parameter). Communication is the caller's
-(``all_reduce_max``, ``all_reduce_sum``), so one process with all V rows and W ranks
-with V/W rows each run the same arithmetic. Everything is done piece by piece, a piece
-of every row at a time, so each term is read from memory twice (max, then encode), the
-temporaries and each piece of the maxima and of the float64 sum stay in cache, and
-per-element work (the exponent, the factors, looked up in 256-entry tables) is done
-once for all rows; the buffers are kept between steps (fresh memory costs page faults
-every step).
+either a ``[rows, n]`` float32 tensor or, per segment of the n elements (per parameter,
+or per run of small parameters), that segment's local terms: stacked in one tensor, or
+as separate 1-D tensors (a shard's gradient where autograd left it). Communication is
+the caller's (``all_reduce_max``, ``all_reduce_sum``), so one process with all V rows
+and W ranks with V/W rows each run the same arithmetic. Everything is done piece by
+piece, a piece of every row at a time, so each term is read from memory twice (max,
+then encode), the temporaries and each piece of the maxima and of the float64 sum stay
+in cache, and per-element work (the exponent, the factors, looked up in 256-entry
+tables) is done once for all rows; the buffers are kept between steps (fresh memory
+costs page faults every step).
 """
 
 from __future__ import annotations
