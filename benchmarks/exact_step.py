@@ -108,8 +108,11 @@ def _baseline_model(baseline, module: nn.Module, shards: int) -> ddpkit.DataPara
 
 def _instrument(reducer=ExactReducer, mean=ExactMean) -> None:
     """Time the exact sum's phases (benchmark only: wraps the methods in place)."""
-    mean.local_max = _timed("max", mean.local_max)
-    mean.encode = _timed("encode", mean.encode)
+    # the entry points the sum runs through (this tree's, or an older one's)
+    mean_max = "_local_max" if hasattr(mean, "_local_max") else "local_max"
+    mean_encode = "_encode" if hasattr(mean, "_encode") else "encode"
+    setattr(mean, mean_max, _timed("max", getattr(mean, mean_max)))
+    setattr(mean, mean_encode, _timed("encode", getattr(mean, mean_encode)))
     mean.decode = _timed("decode", mean.decode)
     collective = reducer._collective
 

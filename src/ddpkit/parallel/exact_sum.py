@@ -181,14 +181,14 @@ class ExactMean:
         """
         columns = self._columns(slots)
         maxima = self.maxima
-        self.local_max(columns)
+        self._local_max(columns)
         if self.extra:
             maxima[self.n:].copy_(extra_max.reshape(-1))
         if all_reduce_max is not None:
             all_reduce_max(maxima)
         if self.extra:
             extra_max.copy_(maxima[self.n:].view_as(extra_max))
-        self.encode(columns)
+        self._encode(columns)
         if all_reduce_sum is not None:
             all_reduce_sum(self.total)
         return self.decode(out)
@@ -199,7 +199,9 @@ class ExactMean:
 
         Piece by piece over every term at once: each piece of the maxima is written
         once, from the cache, instead of read and written again for every term."""
-        columns = self._columns(slots)
+        return self._local_max(self._columns(slots))
+
+    def _local_max(self, columns: list[Column]) -> torch.Tensor:
         for a, b, j, sa, sb in self._piece_list:
             maxima, column = self.maxima[a:b], columns[j]
             if not len(column):
@@ -228,7 +230,9 @@ class ExactMean:
 
     def encode(self, slots: torch.Tensor | Sequence[Column]) -> torch.Tensor:
         """``total[i] = sum_k round(slots[k, i] * 2^k_i)`` in float64, exactly."""
-        columns = self._columns(slots)
+        return self._encode(self._columns(slots))
+
+    def _encode(self, columns: list[Column]) -> torch.Tensor:
         for a, b, j, sa, sb in self._piece_list:
             total, column = self.total[a:b], columns[j]
             if not len(column):
