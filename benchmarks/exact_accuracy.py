@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import torch
+
 import ddpkit
 from ddpkit.parallel.exact_sum import ExactMean
 
@@ -33,6 +35,13 @@ def worker(world, batch_size: int, epochs: int) -> dict:
 
     def measured(self, slots, out, **kwargs):
         result = original(self, slots, out, **kwargs)
+        if not isinstance(slots, torch.Tensor):  # per segment, its terms: as [rows, n]
+            columns = []
+            for column, size in zip(slots, self.segments, strict=True):
+                terms = list(column)  # rows of a stacked one, or the 1-D terms
+                terms += [torch.zeros(size)] * (self.rows - len(terms))  # missing: zeros
+                columns.append(torch.stack(terms))
+            slots = torch.cat(columns, dim=1)
         terms = slots.double()
         truth = terms.sum(0) / self.terms
         scale = terms.abs().amax(0).clamp_min(1e-300)

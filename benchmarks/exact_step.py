@@ -15,17 +15,24 @@ same on every rank), every round on fresh random batches:
 * ``exact``    - ``DataParallel(model, exact=True, virtual_shards=V)``, V the default
   for the global batch (``ddpkit.shard_count.default_virtual_shards``) or ``--shards``;
 * ``exact_1pr`` - exact mode with V = W: one shard per rank, so the gap to ``default``
-  is the exact sum alone, and the gap to ``exact`` the cost of more, smaller passes.
+  is the exact sum alone, and the gap to ``exact`` the cost of more, smaller passes;
+* ``exact_base``, ``exact_1pr_base`` (with ``--baseline-src DIR``) - the same two, with
+  the exact-mode reducer and sum of another ddpkit source tree (DIR: its ``src``, e.g.
+  of a ``git worktree`` of an older commit), to compare two implementations in the
+  same processes.
 
 A step is ``zero_grad`` + forward/backward (per shard in exact mode, mean loss per
 shard) + ``SGD.step``, each variant with the process-wide settings its mode has
 (exact mode: torch's deterministic algorithms on); reported is the median on rank 0.
 Exact steps are also taken apart (medians per step, rank 0): the sum's phases (local
 max, the MAX all-reduce, encode, the SUM all-reduce, decode) and the rest (the shards'
-forward and backward, moving each shard's gradients into its row, zero_grad and the
-SGD step).
+forward and backward, zero_grad and the SGD step).
+
+The workers run with the heap settings ``ddpkit launch`` and ``ddpkit train`` give
+theirs (:mod:`ddpkit.host_malloc`; ``DDPKIT_SYSTEM_MALLOC=1`` keeps glibc's defaults).
 
 Run:  python benchmarks/exact_step.py [--world-size 2 --rounds 7 --json out.json]
+      [--baseline-src /path/to/other/checkout/src]
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import importlib.util
 import os
 import random
 import statistics
@@ -46,6 +54,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.bench.output import write_json
+from ddpkit.host_malloc import worker_malloc_env
 from ddpkit.parallel.exact_reducer import ExactReducer
 from ddpkit.parallel.exact_sum import ExactMean
 from ddpkit.shard_count import default_virtual_shards
@@ -69,17 +78,48 @@ def _timed(name: str, fn):
     return run
 
 
-def _instrument() -> None:
+def _load_baseline(src: str):
+    """The exact-mode reducer module of the ddpkit source tree ``src``, loaded beside
+    this one (as ``baseline_exact_reducer``, using that tree's exact sum)."""
+    modules = {}
+    for name in ("exact_sum", "exact_reducer"):
+        path = os.path.join(src, "ddpkit", "parallel", f"{name}.py")
+        with open(path) as f:
+            text = f.read().replace("from ddpkit.parallel.exact_sum import",
+                                    "from baseline_exact_sum import")
+        spec = importlib.util.spec_from_loader(f"baseline_{name}", loader=None)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        exec(compile(text, path, "exec"), module.__dict__)
+        modules[name] = module
+    return modules["exact_reducer"], modules["exact_sum"]
+
+
+def _baseline_model(baseline, module: nn.Module, shards: int) -> ddpkit.DataParallel:
+    """An exact DataParallel whose reducer is the baseline tree's."""
+    model = ddpkit.DataParallel(module, exact=True, virtual_shards=shards)
+    model.reducer.remove_hooks()
+    model.reducer.close()
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    baseline.attach(model, module, trainable, None, virtual_shards=shards, comm="auto",
+                    comm_hook=None, find_unused_parameters=False)
+    return model
+
+
+def _instrument(reducer=ExactReducer, mean=ExactMean) -> None:
     """Time the exact sum's phases (benchmark only: wraps the methods in place)."""
-    ExactMean.local_max = _timed("max", ExactMean.local_max)
-    ExactMean.encode = _timed("encode", ExactMean.encode)
-    ExactMean.decode = _timed("decode", ExactMean.decode)
-    collective = ExactReducer._collective
+    # the entry points the sum runs through (this tree's, or an older one's)
+    mean_max = "_local_max" if hasattr(mean, "_local_max") else "local_max"
+    mean_encode = "_encode" if hasattr(mean, "_encode") else "encode"
+    setattr(mean, mean_max, _timed("max", getattr(mean, mean_max)))
+    setattr(mean, mean_encode, _timed("encode", getattr(mean, mean_encode)))
+    mean.decode = _timed("decode", mean.decode)
+    collective = reducer._collective
 
     def timed_collective(self, op):
         return _timed(f"all_reduce_{op}", collective(self, op))
 
-    ExactReducer._collective = timed_collective
+    reducer._collective = timed_collective
 
 
 def _main_model() -> nn.Module:
@@ -98,17 +138,25 @@ def _cases(opts: dict) -> list[tuple[str, int, int, int]]:
 def worker(world: ddpkit.World, opts: dict) -> dict:
     torch.set_num_threads(1)
     _instrument()
+    baseline = None
+    if opts["baseline_src"]:
+        baseline, baseline_sum = _load_baseline(opts["baseline_src"])
+        _instrument(baseline.ExactReducer, baseline_sum.ExactMean)
     W, rank = world.world_size, world.rank
     runs = {}
     for model_name, batch, width, v in _cases(opts):
         torch.manual_seed(0)
         base = _main_model() if model_name == "main" else make_mlp()
-        for variant, shards in (("default", None), ("exact", v), ("exact_1pr", W)):
+        variants = [("default", None), ("exact", v), ("exact_1pr", W)]
+        if baseline is not None:
+            variants += [("exact_base", v), ("exact_1pr_base", W)]
+        for variant, shards in variants:
             if shards is not None and (batch % shards or shards % W):
                 continue
             module = copy.deepcopy(base)
             model = (ddpkit.DataParallel(module) if shards is None else
-                     ddpkit.DataParallel(module, exact=True, virtual_shards=shards))
+                     _baseline_model(baseline, module, shards) if variant.endswith("_base")
+                     else ddpkit.DataParallel(module, exact=True, virtual_shards=shards))
             torch.set_num_threads(1)  # exact mode pins 1 too; the default the same
             runs[(model_name, batch, variant)] = {
                 "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.01),
@@ -172,19 +220,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", default=os.path.join("benchmarks", "results", "exact_step.json"))
+    p.add_argument("--baseline-src", default=None,
+                   help="another ddpkit source tree (its src/): its exact mode runs too")
     args = p.parse_args(argv)
     opts = {"main_batch": args.main_batch,
             "mlp_batches": [int(b) for b in args.mlp_batches.split(",") if b],
             "shards": args.shards, "rounds": args.rounds, "steps": args.steps,
-            "warmup": args.warmup}
+            "warmup": args.warmup,
+            "baseline_src": os.path.abspath(args.baseline_src) if args.baseline_src else None}
     print(f"exact_step: {args.world_size} ranks gloo, 1 thread/rank, cases "
           f"{_cases(opts)}", file=sys.stderr)
+    # The workers get the heap settings `ddpkit launch`/`ddpkit train` give theirs (both
+    # modes alike): without them every pass's fresh gradients fault their pages in.
+    os.environ.update(worker_malloc_env())
     load_before = os.getloadavg()
     results = ddpkit.spawn(worker, nprocs=args.world_size, args=(opts,))
     load_after = os.getloadavg()
     r0 = results[0]
     rows = []
-    print(f"\n{'model':7}{'batch':>7}{'variant':>11}{'V':>4}{'median ms':>11}{'x default':>11}"
+    print(f"\n{'model':7}{'batch':>7}{'variant':>15}{'V':>4}{'median ms':>11}{'x default':>11}"
           f"{'replicas ==':>13}   exact step taken apart (median ms)")
     defaults = {k.rsplit("|", 1)[0]: statistics.median(v["times"]) * 1e3
                 for k, v in r0.items() if k.endswith("|default")}
@@ -194,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = ms / defaults[f"{model_name}|{batch}"]
         phases = {k: statistics.median(v) * 1e3 for k, v in r["phases"].items()}
         if phases:
-            # the rest: the shards' forward/backward and gradient moves, zero_grad, SGD
+            # the rest: the shards' forward/backward, zero_grad, SGD
             phases["rest"] = ms - sum(phases.values())
         same = len({res[key]["checksum"] for res in results}) == 1
         rows.append({"model": model_name, "global_batch": int(batch), "variant": variant,
@@ -203,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                      "phases_ms": {k: round(v, 3) for k, v in phases.items()},
                      "samples": len(r["times"])})
         parts = "  ".join(f"{k} {v:.2f}" for k, v in phases.items())
-        print(f"{model_name:7}{batch:>7}{variant:>11}{r['shards'] or '-':>4}{ms:11.2f}"
+        print(f"{model_name:7}{batch:>7}{variant:>15}{r['shards'] or '-':>4}{ms:11.2f}"
               f"{ratio:11.3f}{same!s:>13}   {parts}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
           f"({os.cpu_count()} cores)")

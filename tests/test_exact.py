@@ -235,6 +235,46 @@ def test_a_parameter_unused_on_every_shard_keeps_no_gradient(pools):
     assert pools(2).run(_restoring, _unused_parameter)[0] == [False, False, True, True]
 
 
+def _some_shards_skip_a_branch(world):
+    """One step's gradients of a model with large parameters (summed where autograd
+    left them) and small ones (copied together), one large and one small parameter
+    used only by the shards whose first input is positive."""
+    import ddpkit
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.trunk, self.side = nn.Linear(256, 160), nn.Linear(256, 160)
+            self.head = nn.Linear(160, 3)
+
+        def forward(self, x):
+            h = self.trunk(x)
+            if x[0, 0] > 0:
+                h = h + self.side(x)
+            return self.head(torch.tanh(h))
+
+    torch.manual_seed(0)
+    model = ddpkit.DataParallel(Net(), exact=True, virtual_shards=4,
+                                find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(1))
+    for branch in ([1.0, -1, 1, -1], [-1.0, 1, -1, 1]):  # shards 0, 2; then 1, 3
+        x[:, 0] = torch.tensor(branch * 2)
+        opt.zero_grad()
+        for xs in model.shards(x[world.rank::world.world_size]):
+            model(xs).square().mean().backward()
+        opt.step()
+    return [t.detach().clone() for p in model.module.parameters() for t in (p, p.grad)]
+
+
+def test_shards_that_skip_a_branch_give_the_same_gradients_at_every_world_size(pools):
+    one = pools(1).run(_restoring, _some_shards_skip_a_branch)[0]
+    assert one[5].abs().sum() > 0  # the side branch has a gradient
+    for w in (2, 4):
+        got = pools(w).run(_restoring, _some_shards_skip_a_branch)
+        assert all(_same(g, one) for g in got), w
+
+
 def _verify(world, cfg_dict, per_rank_seed=False):
     import ddpkit
     from ddpkit.train.config import Config

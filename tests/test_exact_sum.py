@@ -36,17 +36,31 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def _grouped_mean(terms: torch.Tensor, groups: list[list[int]], order: list[int]) -> torch.Tensor:
+def _grouped_mean(terms, groups: list[list[int]], order: list[int], *,
+                  segments: list[int] | None = None) -> torch.Tensor:
     """The mean computed as ranks would: each group is one rank's rows; the MAX and SUM
-    all-reduces are done here, the SUM in the given order of groups."""
-    v, n = terms.shape
-    ranks = [ExactMean(len(g), n, v) for g in groups]
-    for mean, rows in zip(ranks, groups, strict=True):
-        mean.local_max(terms[rows])
+    all-reduces are done here, the SUM in the given order of groups. ``terms``: a
+    ``[V, n]`` tensor, or (with ``segments``) a list of rows of per-segment tensors."""
+    if segments is None:
+        v, n = terms.shape
+    else:
+        v, n = len(terms), sum(segments)
+    ranks = [ExactMean(len(g), n, v, segments=segments) for g in groups]
+
+    def rows(group):  # per segment: the group's terms (the first segment stacked)
+        if segments is None:
+            return terms[group]
+        columns = [[terms[k][j] for k in group if terms[k][j] is not None]
+                   for j in range(len(segments))]
+        columns[0] = torch.stack(columns[0]) if columns[0] else torch.empty(0, segments[0])
+        return columns
+
+    for mean, group in zip(ranks, groups, strict=True):
+        mean.local_max(rows(group))
     agreed = torch.stack([m.maxima for m in ranks]).amax(0)
     for mean in ranks:
         mean.maxima.copy_(agreed)
-    partial = [m.encode(terms[rows]).clone() for m, rows in zip(ranks, groups, strict=True)]
+    partial = [m.encode(rows(g)).clone() for m, g in zip(ranks, groups, strict=True)]
     total = partial[order[0]].clone()
     for i in order[1:]:
         total += partial[i]
@@ -88,6 +102,40 @@ def test_same_bits_for_every_grouping_and_order():
     a = terms[:6].sum(0) + terms[6:].sum(0)
     b = terms[0::2].sum(0) + terms[1::2].sum(0)
     assert not torch.equal(a, b)
+
+
+def test_rows_of_per_parameter_gradients_give_the_bits_of_one_tensor():
+    """A shard's gradients summed where autograd left them (one tensor per parameter,
+    missing for a parameter the shard did not use) or stacked give the bits of the same
+    terms copied into rows with zeros, for every grouping; segments span several
+    pieces."""
+    v, segments = 8, [5, 70_001, 1, 3_000]
+    terms = _terms(v, sum(segments), seed=3)
+    unused = {(1, 0), (2, 2), (5, 0), (6, 3)} | {(k, 2) for k in range(v) if k != 2}
+    rows = []
+    for k in range(v):
+        row = list(terms[k].split(segments))
+        for j in range(len(segments)):
+            if (k, j) in unused:
+                row[j].zero_()
+                row[j] = None
+        rows.append(row)
+    n = sum(segments)
+    reference = _bits(ExactMean(v, n, v).mean(terms, torch.empty(n)))
+    got = _grouped_mean(rows, [list(range(v))], [0], segments=segments)
+    assert torch.equal(_bits(got), reference)
+    for groups, order in (([[0, 3, 5, 6], [1, 2, 4, 7]], [1, 0]),
+                          ([[7, 1], [0, 6], [3, 4], [2, 5]], [2, 0, 3, 1])):
+        assert torch.equal(_bits(_grouped_mean(rows, groups, order, segments=segments)),
+                           reference), groups
+    # A rank none of whose rows has a segment contributes zeros to its max, whatever
+    # the instance held before.
+    mean = ExactMean(2, n, v, segments=segments)
+    mean.local_max([list(c) for c in (terms[:2] * 1e30).split(segments, dim=1)])
+    start = sum(segments[:2])
+    mine = [[rows[k][j] for k in (0, 3) if rows[k][j] is not None]
+            for j in range(len(segments))]
+    assert (mean.local_max(mine)[start:start + segments[2]] == 0).all()
 
 
 def test_non_finite_terms_give_the_same_non_finite_result_everywhere():

@@ -12,10 +12,10 @@ rank runs the V/W it owns one after another::
 Each shard's forward and backward see the same inputs (the same contiguous shapes),
 the same random numbers (torch's generators seeded from (seed, step, shard)) and the
 same intra-op thread count wherever they run, so each shard's gradient has the same
-bits on any rank. When the shard's backward ends, its gradients are moved into this
-rank's row for that shard (``param.grad`` goes back to None, so the next shard's
-backward starts clean).
-When the last local shard's backward ends, the rows are summed with
+bits on any rank. When the shard's backward ends, its gradients are kept for the sum
+(large ones as autograd left them, small ones copied together) and ``param.grad``
+goes back to None, so the next shard's backward starts clean.
+When the last local shard's backward ends, the kept gradients are summed with
 :class:`ddpkit.parallel.exact_sum.ExactMean` (an associative fixed-point sum, one MAX
 and one SUM all-reduce) and ``.grad`` holds the mean over the V shards: the sum does
 not depend on which rank held which shard, so neither do the bits.
@@ -42,7 +42,7 @@ from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.lifetime import no_python_tls
 from ddpkit.log import get_logger
 from ddpkit.parallel import transport
-from ddpkit.parallel.exact_sum import ExactMean
+from ddpkit.parallel.exact_sum import PIECE_ELEMENTS, ExactMean
 from ddpkit.parallel.state_sync import broadcast_coalesced
 from ddpkit.parallel.virtual_shards import local_slices, pin_numerics, shard_rng
 from ddpkit.shard_count import EXACT_THREADS, check_virtual_shards
@@ -85,7 +85,7 @@ class ExactReducer:
     name = "exact"  # as the engine's transport
     reduces_inline = True
     comm_hook = None
-    buckets: list = []  # no gradient buckets: one row per local shard instead
+    buckets: list = []  # no gradient buckets: each local shard's gradients are kept
 
     def __init__(self, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]],
                  group, *, virtual_shards: int | None, comm: str,
@@ -132,8 +132,15 @@ class ExactReducer:
             self._offsets.append(total)
             total += p.numel()
         self.numel = total
-        self._slots: torch.Tensor | None = None  # [V/W, numel] float32: a row per shard
-        self._rows: list[list[torch.Tensor]] = []  # per row, a view per parameter
+        # The step's terms for the sum, per segment of the parameters: a large gradient
+        # is kept as autograd left it (a flat view, no copy; a list of the local shards'
+        # ones), while a run of consecutive small ones is copied into a [V/W, size]
+        # buffer, a row per local shard, so the sum works on a few long segments and
+        # takes the rows of a stacked one in single ops (a missing term is zeros).
+        self._segments = _segments([p.numel() for p in self.params])
+        self._kept: list = []  # per segment: list of 1-D gradients, or the stacked buffer
+        self._packs: list = []  # per segment: (buffer, views per local shard) or None
+        self._local_shards = 0
         self._result = torch.empty(total, dtype=torch.float32, device=self.device)
         self._mean: ExactMean | None = None
         self._local: int | None = None  # the local shard being run, inside shards()
@@ -218,6 +225,7 @@ class ExactReducer:
             self.armed = False
             if not finished:
                 self._done = 0
+                self._kept = [[] for _ in self._segments]
 
     def _begin_step(self, local_shards: int) -> None:
         leftover = [self.names[i] for i, p in enumerate(self.params) if p.grad is not None]
@@ -226,15 +234,17 @@ class ExactReducer:
                 f"exact mode: {leftover[0]!r} still has a gradient when a step's shards begin; "
                 "call optimizer.zero_grad() (set_to_none=True, its default) before each step "
                 "(exact mode accumulates across shards, not across steps)")
-        if self._slots is None or self._slots.shape[0] != local_shards:
-            self._slots = torch.empty(local_shards, self.numel, dtype=torch.float32,
-                                      device=self.device)
-            self._rows = [[self._slots[m, o:o + p.numel()].view_as(p)
-                           for o, p in zip(self._offsets, self.params, strict=True)]
-                          for m in range(local_shards)]
+        if self._mean is None or self._local_shards != local_shards:
             self._mean = ExactMean(local_shards, self.numel, self.virtual_shards,
                                    extra=len(self.params), device=self.device,
-                                   allocate=self._shm.allocate if self._shm else None)
+                                   allocate=self._shm.allocate if self._shm else None,
+                                   segments=[sum(self.params[i].numel() for i in run)
+                                             for run in self._segments])
+            self._packs = [self._pack(run, local_shards)
+                           if self.params[run[0]].numel() < _KEEP_ELEMENTS else None
+                           for run in self._segments]
+            self._local_shards = local_shards
+        self._kept = [[] if pack is None else pack[0] for pack in self._packs]
         self._done = 0
         self._used = [False] * len(self.params)
         self._captured = [False] * local_shards
@@ -306,7 +316,7 @@ class ExactReducer:
         return hook
 
     def _end_of_backward(self) -> None:
-        """A shard's backward is over: its gradients go to its row, ``.grad`` to None."""
+        """A shard's backward is over: its gradients are kept, ``.grad`` goes to None."""
         self._callback_queued = False
         self.armed = False
         m = self._local
@@ -327,21 +337,49 @@ class ExactReducer:
         if sparse is not None:
             raise DdpkitError(f"parameter {self.names[sparse]!r} has a sparse gradient; exact "
                               "mode sums dense gradients (nn.Embedding(sparse=False))")
-        views = self._rows[m]
-        if missing:
-            for i in missing:  # contributes zeros
-                views[i].zero_()
-            used = [i for i, g in enumerate(grads) if g is not None]
-            torch._foreach_copy_([views[i] for i in used], [grads[i] for i in used])
-        else:
-            torch._foreach_copy_(views, grads)  # one pass for every parameter
+        self._keep(m, grads)
         for i, p in enumerate(self.params):
             if grads[i] is not None:
                 self._used[i] = True
                 p.grad = None  # the next shard's backward writes a fresh gradient
         self._done += 1
-        if self._done == len(self._rows):
+        if self._done == self._local_shards:
             self._reduce()
+
+    def _pack(self, run: list[int], local_shards: int):
+        """A ``[local_shards, size]`` buffer for a run of small gradients, and per row
+        its view per parameter."""
+        stacked = torch.empty(local_shards, sum(self.params[i].numel() for i in run),
+                              dtype=torch.float32, device=self.device)
+        views = []
+        for m in range(local_shards):
+            mine, offset = [], 0
+            for i in run:
+                size = self.params[i].numel()
+                mine.append(stacked[m, offset:offset + size].view_as(self.params[i]))
+                offset += size
+            views.append(mine)
+        return stacked, views
+
+    def _keep(self, m: int, grads: list[torch.Tensor | None]) -> None:
+        """Local shard ``m``'s gradients into the step's terms: a large one kept as it
+        is, small ones copied into row ``m`` of their run's buffer (zeros if unused)."""
+        for j, (run, pack) in enumerate(zip(self._segments, self._packs, strict=True)):
+            if pack is None:
+                g = grads[run[0]]
+                if g is not None:
+                    self._kept[j].append(_flat_float32(g))
+                continue
+            views = pack[1][m]
+            mine = [grads[i] for i in run]
+            if all(g is not None for g in mine):  # (not "None in": that runs Tensor.__eq__)
+                torch._foreach_copy_(views, mine)  # one call for the run
+                continue
+            for view, g in zip(views, mine, strict=True):
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g)
 
     def _reduce(self) -> None:
         used = torch.tensor(self._used, dtype=torch.float32, device=self.device)
@@ -349,10 +387,14 @@ class ExactReducer:
         # Inside backward (this is its end callback): collectives must not capture
         # autograd's Python thread-local state (see ddpkit.lifetime).
         with no_python_tls():
-            self._mean.mean(self._slots, self._result,
-                            all_reduce_max=self._collective("max") if many else None,
-                            all_reduce_sum=self._collective("sum") if many else None,
-                            extra_max=used)
+            try:
+                self._mean.mean(self._kept, self._result,
+                                all_reduce_max=self._collective("max") if many else None,
+                                all_reduce_sum=self._collective("sum") if many else None,
+                                extra_max=used)
+            finally:
+                # the kept gradients go back to the allocator
+                self._kept = [[] for _ in self._segments]
         with torch.no_grad():
             for i, (p, anywhere) in enumerate(zip(self.params, used.tolist(), strict=True)):
                 if not anywhere:
@@ -379,6 +421,34 @@ class ExactReducer:
                 comm_all_reduce(tensor, op=op, algo=self.algo, group=self.group)
 
         return run
+
+
+# A gradient at least this long is summed where autograd left it; shorter ones are
+# copied together (a copy of a short gradient costs less than the sum's per-op
+# overhead on it).
+_KEEP_ELEMENTS = PIECE_ELEMENTS
+
+
+def _segments(sizes: Sequence[int]) -> list[list[int]]:
+    """Parameter indices per segment of the sum, in order: a large parameter alone, a
+    run of consecutive small ones together."""
+    segments: list[list[int]] = []
+    for i, size in enumerate(sizes):
+        if size >= _KEEP_ELEMENTS:
+            segments.append([i])
+        elif segments and sizes[segments[-1][-1]] < _KEEP_ELEMENTS:
+            segments[-1].append(i)
+        else:
+            segments.append([i])
+    return segments
+
+
+def _flat_float32(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as the sum reads it: float32, its elements in the parameter's logical
+    order (a copy only for another dtype or a non-contiguous layout)."""
+    if grad.dtype != torch.float32:
+        grad = grad.float()
+    return grad.reshape(-1)
 
 
 def attach(model: Any, module: nn.Module, trainable: Sequence[tuple[str, nn.Parameter]],

@@ -38,28 +38,32 @@ Non-finite terms: an element with an inf or NaN term comes out inf or NaN, the s
 on every grouping (its exponent is pinned and the float64 sum of non-finite values
 does not depend on order).
 
-:class:`ExactMean` works on ``slots``, a ``[rows, n]`` float32 tensor (one row per
-local term, e.g. per virtual shard); communication is the caller's (``all_reduce_max``,
-``all_reduce_sum``), so one process with all V rows and W ranks with V/W rows each run
-the same arithmetic. Everything is done piece by piece, a piece of every row at a time,
-so each term is read from memory twice (max, then encode) and the temporaries stay in
-cache; the buffers are kept between steps (fresh memory costs page faults every step).
+:class:`ExactMean` works on ``slots``: one row per local term (e.g. per virtual shard),
+either a ``[rows, n]`` float32 tensor or, per segment of the n elements (per parameter,
+or per run of small parameters), that segment's local terms: stacked in one tensor, or
+as separate 1-D tensors (a shard's gradient where autograd left it). Communication is
+the caller's (``all_reduce_max``, ``all_reduce_sum``), so one process with all V rows
+and W ranks with V/W rows each run the same arithmetic. Everything is done piece by
+piece, a piece of every row at a time, so each term is read from memory twice (max,
+then encode), the temporaries and each piece of the maxima and of the float64 sum stay
+in cache, and per-element work (the exponent, the factors, looked up in 256-entry
+tables) is done once for all rows; the buffers are kept between steps (fresh memory
+costs page faults every step).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 
-# Bytes of one piece of the [rows, n] work on a CPU: small enough that a piece's
-# temporaries stay in the L2 cache, large enough that Python's per-op cost is noise.
-PIECE_BYTES = 1 << 20
+# Elements of one piece of the work on a CPU: small enough that a piece's temporaries
+# and its float64 sum stay in the L2 cache, large enough that Python's per-op cost is
+# small next to the op.
+PIECE_ELEMENTS = 1 << 15
 _F32_MANTISSA_BITS = 23
-_F32_EXPONENT_BIAS = 127
 _F32_MAX_FACTOR = 126  # one float32 factor is at most 2^126
-_F64_MANTISSA_BITS = 52
-_F64_EXPONENT_BIAS = 1023
 
 Reduce = Callable[[torch.Tensor], object]
 Allocate = Callable[[int, torch.dtype, torch.device | str], torch.Tensor]
@@ -77,6 +81,10 @@ def fixed_point_bits(terms: int) -> int:
     return 53 - (terms - 1).bit_length()  # (terms - 1).bit_length() == ceil(log2(terms))
 
 
+# One segment's local terms: a ``[k, size]`` tensor (k terms stacked) or k 1-D tensors.
+Column = torch.Tensor | Sequence[torch.Tensor]
+
+
 class ExactMean:
     """The mean of ``terms`` float32 rows, reproducible bit for bit for any grouping of
     the rows into processes. One instance per shape: it keeps its buffers.
@@ -84,32 +92,86 @@ class ExactMean:
     ``mean(slots, out)`` with ``slots`` this process's ``[rows, n]`` rows; the other
     ``terms - rows`` rows are on the processes ``all_reduce_max``/``all_reduce_sum``
     reach (in place, across them; None: this process holds every row).
+
+    With ``segments`` (lengths adding up to n), ``slots`` may instead be given per
+    segment, as that segment's local terms: stacked in a ``[k, size]`` tensor, or as k
+    1-D tensors (a shard's gradient where autograd left it, summed without first being
+    copied into a row), k <= rows; a missing term is a zero term.
     """
 
     def __init__(self, rows: int, n: int, terms: int, *, extra: int = 0,
-                 device: torch.device | str = "cpu", allocate: Allocate | None = None):
+                 device: torch.device | str = "cpu", allocate: Allocate | None = None,
+                 segments: Sequence[int] | None = None):
         if not 0 <= rows <= terms:
             raise ValueError(f"{rows} local rows of {terms} terms")
+        segments = [n] if segments is None else [int(s) for s in segments]
+        if sum(segments) != n or any(s < 0 for s in segments):
+            raise ValueError(f"segments {segments} do not add up to {n} elements")
         self.rows, self.n, self.terms, self.extra = rows, n, terms, extra
+        self.segments = segments
         self.p = fixed_point_bits(terms)
         # On an accelerator there is no cache to stay in, and every op is a launch.
         on_cpu = torch.device(device).type == "cpu"
-        self.piece = max(1024, PIECE_BYTES // (4 * max(rows, 1))) if on_cpu else max(n, 1)
+        self.piece = PIECE_ELEMENTS if on_cpu else max(n, 1)
+        # (start, end) in the n elements, the segment, (start, end) inside the segment
+        self._piece_list: list[tuple[int, int, int, int, int]] = []
+        offset = 0
+        for j, size in enumerate(segments):
+            for a in range(0, size, self.piece):
+                b = min(size, a + self.piece)
+                self._piece_list.append((offset + a, offset + b, j, a, b))
+            offset += size
         # The two all-reduced buffers may live where the collective reads them in place
         # (``allocate(numel, dtype, device)``: the host's shared-memory segment).
         allocate = allocate or _empty
         self.maxima = allocate(n + extra, torch.float32, device)
         self.total = allocate(n, torch.float64, device)
         width = min(n, self.piece)
-        self._scratch = torch.empty(max(rows, 1), width, dtype=torch.float32, device=device)
+        self._scratch = torch.empty(width, dtype=torch.float32, device=device)
+        self._scratch2 = torch.empty(max(rows, 1), width, dtype=torch.float32, device=device)
         self._bits = torch.empty(width, dtype=torch.int32, device=device)
-        self._bits64 = torch.empty(width, dtype=torch.int64, device=device)
+        self._scale64 = torch.empty(width, dtype=torch.float64, device=device)
+        self._factor = torch.empty(width, dtype=torch.float32, device=device)
+        self._rest = torch.empty(width, dtype=torch.float32, device=device)
+        # 2^k_i for every biased exponent E of a maximum, k = P + 126 - E, as float32
+        # factors: at most 2^126 in one, the rest (2^(P - E), for E < P: a nonzero
+        # maximum below 2^(P - 127), ~1e-23) in a second. Zero maxima need none (their
+        # terms are zeros); E = 255 (inf or NaN) gets some factor, the same everywhere.
+        self._encode_factors = torch.tensor(
+            [math.ldexp(1.0, min(self.p + _F32_MAX_FACTOR - e, _F32_MAX_FACTOR))
+             for e in range(256)], dtype=torch.float32, device=device)
+        self._encode_rests = torch.tensor(
+            [math.ldexp(1.0, max(self.p - e, 0)) for e in range(256)],
+            dtype=torch.float32, device=device)
+        # The mean's scale for every biased exponent E of a maximum: 2^-k (k = P + 126 -
+        # E) times the power-of-two part 2^-t of 1/terms, leaving the division by the odd
+        # part. Powers of two, so multiplying by them is exact in float64 (which divides
+        # by 2^t exactly too), and dividing by the odd part afterwards rounds the same as
+        # dividing by ``terms``. (E = 255, inf or NaN, scales a total that is inf or NaN.)
+        twos = (terms & -terms).bit_length() - 1
+        self._odd_terms = terms >> twos
+        self._decode_scales = torch.tensor(
+            [math.ldexp(1.0, e - self.p - _F32_MAX_FACTOR - twos) for e in range(256)],
+            dtype=torch.float64, device=device)
 
-    def _pieces(self):
-        for start in range(0, self.n, self.piece):
-            yield start, min(self.n, start + self.piece)
+    def _columns(self, slots: torch.Tensor | Sequence[Column]) -> list[Column]:
+        if isinstance(slots, torch.Tensor):
+            if tuple(slots.shape) != (self.rows, self.n):
+                raise ValueError(f"slots {tuple(slots.shape)}, expected {(self.rows, self.n)}")
+            return list(slots.split(self.segments, dim=1))
+        columns = list(slots)
+        if len(columns) != len(self.segments):
+            raise ValueError(f"terms for {len(columns)} segments, expected "
+                             f"{len(self.segments)}")
+        for column, size in zip(columns, self.segments, strict=True):
+            k = len(column)
+            if k > self.rows or any(t.numel() != size for t in column):
+                raise ValueError(f"a segment of {size} elements with {k} terms of "
+                                 f"{[t.numel() for t in column]} elements (at most "
+                                 f"{self.rows} terms)")
+        return columns
 
-    def mean(self, slots: torch.Tensor, out: torch.Tensor, *,
+    def mean(self, slots: torch.Tensor | Sequence[Column], out: torch.Tensor, *,
              all_reduce_max: Reduce | None = None, all_reduce_sum: Reduce | None = None,
              extra_max: torch.Tensor | None = None) -> torch.Tensor:
         """``out`` (any float dtype, n elements) = the mean over all terms.
@@ -117,32 +179,45 @@ class ExactMean:
         ``extra_max``: ``extra`` float32 values carried in the same MAX all-reduce
         (per-parameter "used" flags); they hold the reduced values afterwards.
         """
-        if tuple(slots.shape) != (self.rows, self.n):
-            raise ValueError(f"slots {tuple(slots.shape)}, expected {(self.rows, self.n)}")
+        columns = self._columns(slots)
         maxima = self.maxima
-        self.local_max(slots)
+        self._local_max(columns)
         if self.extra:
             maxima[self.n:].copy_(extra_max.reshape(-1))
         if all_reduce_max is not None:
             all_reduce_max(maxima)
         if self.extra:
             extra_max.copy_(maxima[self.n:].view_as(extra_max))
-        self.encode(slots)
+        self._encode(columns)
         if all_reduce_sum is not None:
             all_reduce_sum(self.total)
         return self.decode(out)
 
-    def local_max(self, slots: torch.Tensor) -> torch.Tensor:
+    def local_max(self, slots: torch.Tensor | Sequence[Column]) -> torch.Tensor:
         """``maxima[i] = max_k |slots[k, i]|``; NaN becomes +inf (a MAX all-reduce
-        propagates NaN differently on different backends; +inf it takes the same way)."""
-        out = self.maxima[: self.n]
-        if self.rows == 0:
-            return out.zero_()
-        for a, b in self._pieces():
-            scratch = self._scratch[:, : b - a]
-            torch.abs(slots[:, a:b], out=scratch)
-            torch.amax(scratch, 0, out=out[a:b])
-        return torch.nan_to_num_(out, nan=float("inf"), posinf=float("inf"))
+        propagates NaN differently on different backends; +inf it takes the same way).
+
+        Piece by piece over every term at once: each piece of the maxima is written
+        once, from the cache, instead of read and written again for every term."""
+        return self._local_max(self._columns(slots))
+
+    def _local_max(self, columns: list[Column]) -> torch.Tensor:
+        for a, b, j, sa, sb in self._piece_list:
+            maxima, column = self.maxima[a:b], columns[j]
+            if not len(column):
+                maxima.zero_()
+            elif isinstance(column, torch.Tensor):  # stacked: one op for all its terms
+                part = self._scratch2[: len(column), : b - a]
+                torch.abs(column[:, sa:sb], out=part)
+                torch.amax(part, 0, out=maxima)
+            else:
+                torch.abs(column[0][sa:sb], out=maxima)
+                part = self._scratch[: b - a]
+                for term in column[1:]:
+                    torch.abs(term[sa:sb], out=part)
+                    torch.maximum(maxima, part, out=maxima)
+            torch.nan_to_num_(maxima, nan=float("inf"), posinf=float("inf"))
+        return self.maxima[: self.n]
 
     def _biased_exponents(self, a: int, b: int) -> torch.Tensor:
         # A normal float m = 1.f * 2^(E - 127) is below 2^(E - 126) =: 2^e; zero and
@@ -153,42 +228,59 @@ class ExactMean:
         return torch.bitwise_right_shift(self.maxima[a:b].view(torch.int32),
                                          _F32_MANTISSA_BITS, out=bits)
 
-    def encode(self, slots: torch.Tensor) -> torch.Tensor:
+    def encode(self, slots: torch.Tensor | Sequence[Column]) -> torch.Tensor:
         """``total[i] = sum_k round(slots[k, i] * 2^k_i)`` in float64, exactly."""
-        if self.rows == 0:
-            return self.total.zero_()
-        # 2^k as float32 has the biased exponent k + 127 = P + 253 - E, at most 253
-        # (2^126). A nonzero maximum below 2^(P - 126) (~1e-23) needs a larger k,
-        # applied as a second factor (zero maxima need none: their terms are zeros).
-        top = self.p + _F32_MAX_FACTOR + _F32_EXPONENT_BIAS
-        cap = _F32_MAX_FACTOR + _F32_EXPONENT_BIAS
-        for a, b in self._pieces():
-            factor = torch.sub(top, self._biased_exponents(a, b), out=self._bits[: b - a])
+        return self._encode(self._columns(slots))
+
+    def _encode(self, columns: list[Column]) -> torch.Tensor:
+        for a, b, j, sa, sb in self._piece_list:
+            total, column = self.total[a:b], columns[j]
+            if not len(column):
+                total.zero_()
+                continue
+            biased = self._biased_exponents(a, b)
+            factor = torch.index_select(self._encode_factors, 0, biased,
+                                        out=self._factor[: b - a])
             rest = None
-            if int(factor.max()) > cap and bool(
-                    ((factor > cap) & (self.maxima[a:b] != 0)).any()):
-                rest = (factor - _F32_MAX_FACTOR).clamp_min_(_F32_EXPONENT_BIAS)
-            factor.clamp_max_(cap).bitwise_left_shift_(_F32_MANTISSA_BITS)
-            piece = self._scratch[:, : b - a]
-            torch.mul(slots[:, a:b], factor.view(torch.float32), out=piece)  # exact
-            if rest is not None:
-                piece.mul_(rest.bitwise_left_shift_(_F32_MANTISSA_BITS).view(torch.float32))
-            piece.round_()  # to nearest, ties to even: a function of the term alone
-            torch.sum(piece, 0, dtype=torch.float64, out=self.total[a:b])  # exact: < 2^53
+            if int(biased.min()) < self.p and bool(
+                    ((biased < self.p) & (self.maxima[a:b] != 0)).any()):
+                rest = torch.index_select(self._encode_rests, 0, biased,
+                                          out=self._rest[: b - a])
+            if isinstance(column, torch.Tensor):  # stacked: one op for all its terms
+                piece = self._scratch2[: len(column), : b - a]
+                torch.mul(column[:, sa:sb], factor, out=piece)  # exact
+                if rest is not None:
+                    piece.mul_(rest)
+                piece.round_()  # to nearest, ties to even: a function of the term alone
+                # exact (every partial sum is an integer below 2^53), from +0
+                torch.sum(piece, 0, dtype=torch.float64, out=total)
+                continue
+            piece = self._scratch[: b - a]
+            for m, term in enumerate(column):
+                torch.mul(term[sa:sb], factor, out=piece)
+                if rest is not None:
+                    piece.mul_(rest)
+                piece.round_()
+                # the first term plus +0 makes a zero sum +0 on any grouping
+                if m == 0:
+                    torch.add(piece, 0.0, out=total)
+                else:
+                    total.add_(piece)
         return self.total
 
     def decode(self, out: torch.Tensor) -> torch.Tensor:
         """``out[i] = total[i] * 2^-k_i / terms``: the scaling is exact, the division is
         the one float64 rounding, then the cast to ``out``'s dtype."""
         out = out.view(-1)
-        for a, b in self._pieces():
-            biased = self._biased_exponents(a, b)
-            # 2^-k as float64 bits: (1023 - P - 126 + E) << 52
-            bits = self._bits64[: b - a]
-            bits.copy_(biased).add_(_F64_EXPONENT_BIAS - self.p - _F32_MAX_FACTOR)
-            bits.bitwise_left_shift_(_F64_MANTISSA_BITS)
-            total = self.total[a:b].mul_(bits.view(torch.float64))
-            out[a:b].copy_(total.div_(self.terms))
+        scales, odd = self._decode_scales, self._odd_terms
+        for a, b, _, _, _ in self._piece_list:
+            # 2^-k_i / 2^t looked up by the maximum's biased exponent E_i (terms = odd * 2^t)
+            scale = torch.index_select(scales, 0, self._biased_exponents(a, b),
+                                       out=self._scale64[: b - a])
+            if odd == 1:  # the division is exact scaling too: one float64 op, then the cast
+                torch.mul(self.total[a:b], scale, out=out[a:b])
+            else:  # exact scaling, then the one rounding division by the odd part
+                torch.div(self.total[a:b].mul_(scale), odd, out=out[a:b])
         return out
 
 
