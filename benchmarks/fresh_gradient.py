@@ -28,6 +28,8 @@ import os
 import subprocess
 import sys
 
+from ddpkit.host_malloc import KEEP_LARGE_BLOCKS
+
 CHILD = """
 import json, os, sys, time, torch
 torch.set_num_threads(1)
@@ -63,8 +65,6 @@ print(json.dumps({"fresh_ms": sorted(r[0] for r in rounds)[1],
                   "reused_ms": sorted(r[1] for r in rounds)[1]}))
 """
 
-KEEP_LARGE_BLOCKS = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30),
-                     "MALLOC_TRIM_THRESHOLD_": str((1 << 31) - 1)}
 
 
 def measure(mib: float, repeats: int, env: dict[str, str]) -> dict[str, float]:

@@ -59,6 +59,7 @@ class DistPool:
         self.world_size = world_size
         self._procs: list = []
         self._seq = 0
+        self._asked_to_stop = False
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
@@ -108,7 +109,7 @@ class DistPool:
 
     def ask_to_stop(self) -> None:
         """Tell every worker to leave after its current task (close() then waits)."""
-        if getattr(self, "_asked_to_stop", False):
+        if self._asked_to_stop:
             return
         self._asked_to_stop = True
         for q, p in zip(getattr(self, "_tasks", []), self._procs):

@@ -15,6 +15,12 @@ def test_workers_keep_large_blocks_unless_the_user_decides():
     assert worker_malloc_env({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}) == {}
 
 
+def _undecided_environment() -> dict[str, str]:
+    """This environment without anything that decides the heap settings."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "DDPKIT_SYSTEM_MALLOC")}
+
+
 PRINTS_ITS_MALLOC_ENV = """
 import os
 print("seen", sorted((k, v) for k, v in os.environ.items() if k.startswith("MALLOC_")))
@@ -24,8 +30,7 @@ print("seen", sorted((k, v) for k, v in os.environ.items() if k.startswith("MALL
 def test_a_launched_worker_gets_them(tmp_path):
     script = tmp_path / "env.py"
     script.write_text(PRINTS_ITS_MALLOC_ENV)
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "DDPKIT_SYSTEM_MALLOC")}
+    env = _undecided_environment()
     proc = subprocess.run([sys.executable, "-m", "ddpkit.cli", "launch", "--nproc-per-node",
                            "1", str(script)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
@@ -59,8 +64,7 @@ def _faults_per_step(*env_extras):
     """Run the program once per environment (at the same time); the faults of a step of
     each, once its heap has settled (glibc reuses a freed 64-byte-aligned block only after
     several steps have left free neighbours to merge with)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "DDPKIT_SYSTEM_MALLOC")}
+    env = _undecided_environment()
     procs = [subprocess.Popen([sys.executable, "-c", STEPS_OF_A_BIG_LAYER], cwd=ROOT,
                               env={**env, **extra}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for extra in env_extras]
