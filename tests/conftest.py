@@ -73,6 +73,7 @@ LAYERS = {
     "test_train_resume.py": MULTIPROCESS,
     "test_verify.py": MULTIPROCESS,
     "test_zero.py": MULTIPROCESS,
+    "test_zero3.py": MULTIPROCESS,
     "test_torch_ddp_suite.py": MULTIPROCESS,
     "test_torch_collective_suite.py": MULTIPROCESS,
     "test_comm_bench.py": E2E,

@@ -91,6 +91,13 @@ MUTATIONS = (
         "flat[offset : offset + t.numel()].view_as(t).copy_(t)",
         ("tests/test_ddp.py", "-m", "not slow"),
     ),
+    Mutation(
+        "zero3-gather-forgets-this-ranks-stepped-chunk",
+        "ddpkit/parallel/sharded_params.py",
+        "            flat[s.lo:s.hi].copy_(self.shards[b])\n",
+        "",
+        ("tests/test_zero.py", "-k", "bit_identical", "-m", "not slow"),
+    ),
 )
 
 

@@ -20,7 +20,7 @@ def test_sharded_run_equals_unsharded_with_half_the_optimizer_state(default_trai
     out = tmp_path / "sharded"
     proc = subprocess.run([sys.executable, "-m", "ddpkit.cli", "train", "--nproc-per-node", "2",
                            "--epochs", "1", "--seed", "7", "--out-dir", str(out),
-                           "--shard", "gradients", "--no-progress"],
+                           "--shard", "parameters", "--no-progress"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (run_dir,) = out.iterdir()
@@ -32,14 +32,14 @@ def test_sharded_run_equals_unsharded_with_half_the_optimizer_state(default_trai
 
     summary = json.loads((run_dir / "summary.json").read_text())
     plain_summary = json.loads((plain_dir / "summary.json").read_text())
-    assert summary["shard"] == "gradients" and plain_summary["shard"] == "none"
+    assert summary["shard"] == "parameters" and plain_summary["shard"] == "none"
     assert summary["optimizer_state_mib"] < 0.55 * plain_summary["optimizer_state_mib"]
     assert len(summary["rank_peak_rss_mib"]) == 2 and min(summary["rank_peak_rss_mib"]) > 50
     (record,) = read_jsonl(run_dir / "metrics.jsonl")
     assert len(record["rank_peak_rss_mib"]) == 2
     assert "peak RSS by rank [" in stderr
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["train"]["shard"] == "gradients"
+    assert config["train"]["shard"] == "parameters"
     files = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert "step_000000012.rank00000-of-00002.pt" in files
     assert "step_000000012.rank00001-of-00002.pt" in files

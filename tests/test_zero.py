@@ -1,4 +1,5 @@
-"""DataParallel(shard="optimizer" | "gradients"): ZeRO-1/2 against the unsharded engine.
+"""DataParallel(shard="optimizer" | "gradients" | "parameters"): ZeRO-1/2/3 against the
+unsharded engine.
 
 * ordinary torch code (AdamW on ``model.parameters()``, ``loss.backward()``,
   ``opt.step()``, ``no_sync`` accumulation) gives weights torch.equal to ``shard="none"``
@@ -21,7 +22,7 @@ from torch import nn
 
 from ddpkit.errors import ConfigError
 
-MODES = ("none", "optimizer", "gradients")
+MODES = ("none", "optimizer", "gradients", "parameters")
 
 
 def _mlp():
@@ -82,7 +83,7 @@ def test_sharded_training_is_bit_identical_to_unsharded(pools, world_size, comm)
     for rank, r in enumerate(results):
         if comm == "auto":
             assert r["none"]["transport"] == "shm"
-        for mode in ("optimizer", "gradients"):
+        for mode in ("optimizer", "gradients", "parameters"):
             assert r[mode]["keys"] == r["none"]["keys"]  # torch's names, full tensors
             assert all(torch.equal(a, b) for a, b in zip(r[mode]["state"], r["none"]["state"])), \
                 f"W={world_size} comm={comm} rank {rank}: shard={mode} differs from none"
@@ -102,32 +103,40 @@ def test_clip_grad_norm_over_shards_matches_torch(pools):
         assert all(torch.equal(a, b) for a, b in zip(r["optimizer"]["state"], r["none"]["state"]))
         assert r["optimizer"]["norms"] == r["none"]["norms"]
         # over shards the norm is summed in another grouping: equal within rounding
-        for a, b in zip(r["gradients"]["norms"], r["none"]["norms"]):
-            assert abs(a - b) <= 1e-5 * b
+        for mode in ("gradients", "parameters"):
+            for a, b in zip(r[mode]["norms"], r["none"]["norms"]):
+                assert abs(a - b) <= 1e-5 * b
+            for a, b in zip(r[mode]["state"], r["none"]["state"]):
+                assert float((a - b).abs().max()) < 1e-5
+        assert r["parameters"]["norms"] == r["gradients"]["norms"]
         assert min(r["none"]["norms"]) > 0.05  # the clip did act
-        for a, b in zip(r["gradients"]["state"], r["none"]["state"]):
-            assert float((a - b).abs().max()) < 1e-5
 
 
-def run_state_dict_round_trip(world):
+def run_state_dict_round_trip(world, mode):
     from ddpkit.parallel import DataParallel
 
-    ddp, opt, _ = _train(world, "gradients", "auto", steps=2)
+    ddp, opt, _ = _train(world, mode, "auto", steps=2)
     saved = {k: v.clone() for k, v in ddp.state_dict().items()}
     torch.manual_seed(99)  # other initial weights, replaced by the load
-    other = DataParallel(_mlp(), shard="gradients", bucket_cap_mb=0.1)
+    other = DataParallel(_mlp(), shard=mode, bucket_cap_mb=0.1)
     other.load_state_dict(saved)
     x, _ = _batch(5, 0)
     with torch.no_grad():
         same_output = torch.equal(other(x), ddp(x))
-    shard_is_view = all(
-        any(s.data_ptr() >= p.data_ptr() for p in other.module.parameters())
-        for s in other.parameters())
-    return same_output and shard_is_view
+    # a step after the load starts from the loaded weights on both
+    for model in (ddp, other):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = _batch(6, world.rank)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    same_step = all(torch.equal(a, b) for a, b in zip(ddp.state_dict().values(),
+                                                       other.state_dict().values()))
+    return same_output, same_step, len(saved)
 
 
-def test_state_dict_is_the_full_module_and_loads_back(pools):
-    assert pools(2).run(run_state_dict_round_trip) == [True, True]
+@pytest.mark.parametrize("mode", ["gradients", "parameters"])
+def test_state_dict_is_the_full_module_and_loads_back(pools, mode):
+    assert pools(2).run(run_state_dict_round_trip, mode) == [(True, True, 6)] * 2
 
 
 # -- checkpoints: one file per rank, resumed at another world size ---------------------------
@@ -157,16 +166,18 @@ def run_resume(world, directory, mode):
     return [v.clone() for v in ddp.state_dict().values()]
 
 
-@pytest.mark.parametrize("saved_at,resumed_at", [(2, 3), (3, 2)])
+@pytest.mark.parametrize("saved_at,resumed_at,saved,resumed", [
+    (2, 3, "gradients", "optimizer"), (3, 2, "gradients", "optimizer"),
+    (2, 3, "parameters", "parameters"), (3, 2, "optimizer", "parameters")])
 def test_sharded_checkpoint_resumes_at_another_world_size(pools, tmp_path, saved_at,
-                                                          resumed_at):
+                                                          resumed_at, saved, resumed):
     plain, sharded = tmp_path / "plain", tmp_path / "sharded"
     pools(saved_at).run(run_save, str(plain), "none")
-    files = pools(saved_at).run(run_save, str(sharded), "gradients")[0]
+    files = pools(saved_at).run(run_save, str(sharded), saved)[0]
     assert [f for f in files if ".rank" in f] == [
         f"step_000000002.rank{r:05d}-of-{saved_at:05d}.pt" for r in range(saved_at)]
     expected = pools(resumed_at).run(run_resume, str(plain), "none")
-    got = pools(resumed_at).run(run_resume, str(sharded), "optimizer")
+    got = pools(resumed_at).run(run_resume, str(sharded), resumed)
     for a, b in zip(got, expected):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -220,7 +231,8 @@ def run_mistakes(world):
 
 def test_mistakes_are_one_line(pools):
     for errors in pools(2).run(run_mistakes):
-        assert "shard must be one of none, optimizer, gradients, got 'params'" in errors["bad"]
+        assert ("shard must be one of none, optimizer, gradients, parameters, got 'params'"
+                in errors["bad"])
         assert "comm hook needs shard='none'" in errors["hook"]
         assert "rank 0: 'optimizer', rank 1: 'none'" in errors["differs"]
 
@@ -254,7 +266,7 @@ def run_loop(world, directory, mode, steps):
     return started, [v.clone() for v in ddp.state_dict().values()]
 
 
-@pytest.mark.parametrize("mode", ["optimizer", "gradients"])
+@pytest.mark.parametrize("mode", ["optimizer", "gradients", "parameters"])
 def test_run_resumes_a_sharded_loop_at_another_world_size(pools, tmp_path, mode):
     import json
 

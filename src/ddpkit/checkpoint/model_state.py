@@ -68,5 +68,8 @@ def load_model_state(
     """Load a (possibly ``module.``-prefixed) state dict into the unwrapped model, or
     raise one error listing every key that differs."""
     state = strip_module_prefix(state)
+    gather = getattr(model, "gather_parameters", None)
+    if callable(gather):  # a sharded DataParallel: the module's full weights first
+        gather()
     check_model_state(model, state, source)
     unwrap(model).load_state_dict(state)

@@ -136,9 +136,10 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
             registration order, reduced at the end: torch 2.x's layout, which makes results
             bit-identical to torch DDP's at any world size; with find_unused_parameters
             and no static graph, torch's size-capped buckets, which it never re-lays).
-        shard: ``"none"`` (default), ``"optimizer"`` (ZeRO-1) or ``"gradients"`` (ZeRO-2):
-            ``model.parameters()`` then yields this rank's flat shards, so the optimizer
-            built on them holds 1/W of the state (see :mod:`ddpkit.parallel.sharding`).
+        shard: ``"none"`` (default), ``"optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2) or
+            ``"parameters"`` (ZeRO-3): ``model.parameters()`` then yields this rank's
+            flat shards, so the optimizer built on them holds 1/W of the state (see
+            :mod:`ddpkit.parallel.sharding`).
         exact: the same bits at any world size (:mod:`ddpkit.parallel.exact_reducer`):
             each step is ``virtual_shards`` shards run through :meth:`shards`, their
             gradients summed exactly; see docs/exact.md.
@@ -344,7 +345,7 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         else:
             self.transport = transport.build(wanted, device_types, group)
             allocate = _allocator_from(comm_state, self.transport.allocate)
-        reducer_class = ScatterReducer if self.shard == "gradients" else Reducer
+        reducer_class = ScatterReducer if self.shard in ("gradients", "parameters") else Reducer
         self.reducer = reducer_class(
             [p for _, p in dense], [n for n, _ in dense], group,
             limits_bytes=options["limits"],
@@ -356,7 +357,8 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         if not lazy:  # collective; a loaded copy is never sharded (ddp_pickle)
             agree_on_mode(self.shard, group)
         if self.shard != "none":
-            self._sharding = Sharding(self.shard, self.reducer, self.transport, group)
+            self._sharding = Sharding(self.shard, self.reducer, self.transport, group,
+                                      self.module)
         self.sparse = None
         if sparse:
             self.sparse = SparseReducer([p for _, p in sparse], [n for n, _ in sparse], group,
@@ -404,7 +406,11 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
             self._before_forward()
         if self._input_device is not None:
             args, kwargs = torch_compat.move_inputs(self._input_device, args, kwargs)
-        output = self.module(*args, **kwargs)
+        if self._sharding is None:
+            output = self.module(*args, **kwargs)
+        else:
+            with self._sharding.around_forward():
+                output = self.module(*args, **kwargs)
         if self.reducer.armed:
             self._logging.forward_end()
         return output
@@ -533,7 +539,7 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = previous
 
-    # -- sharding (shard="optimizer" | "gradients"); plain pass-throughs with "none" -------
+    # -- sharding (shard="optimizer" | "gradients" | "parameters"); pass-throughs with "none"
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         """The module's parameters, or with sharding this rank's flat shards (what the
@@ -552,16 +558,37 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
     def gather_parameters(self) -> None:
         """Give the wrapped module the full updated parameters now (collective; with
         sharding the next forward and ``state_dict()`` do it by themselves; nothing to do
-        without sharding). Call it before reading ``model.module``'s weights directly."""
-        if self._sharding is not None and self._sharding.params.stale:
+        without sharding). Call it before reading ``model.module``'s weights directly;
+        with ``shard="parameters"`` they stay in memory until the next forward."""
+        if self._sharding is None:
+            return
+        if self._sharding.layers is not None:
+            self._sharding.layers.hold()
+        elif self._sharding.params.stale:
             self._sharding.params.gather()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """torch's state dict of the full (unsharded) module, ``module.`` prefixed."""
+        """torch's state dict of the full (unsharded) module, ``module.`` prefixed
+        (collective with sharding; with ``shard="parameters"`` copies of the gathered
+        values, which are freed again unless gather_parameters() holds them)."""
+        layers = self._sharding.layers if self._sharding is not None else None
+        held = layers is not None and layers.held
         self.gather_parameters()
-        return super().state_dict(*args, **kwargs)
+        state = super().state_dict(*args, **kwargs)
+        if layers is not None:
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    state[key] = value.clone()
+            if not held:
+                layers.release_all()
+        return state
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        if self._sharding is not None and self._sharding.layers is not None:
+            if assign:
+                raise ConfigError("load_state_dict(assign=True) would replace the tensors "
+                                  "shard='parameters' gathers into; load without assign")
+            self.gather_parameters()  # the shards take the loaded values (LayerGathering)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if self._sharding is not None:
             self._sharding.params.stale = False  # every rank loaded the same full values

@@ -20,7 +20,7 @@ shards cut from it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,8 @@ class ScatterReducer(Reducer):
         self.grad_shards = [torch.zeros(hi - lo, dtype=b.buffer.dtype, device=b.buffer.device)
                             for b, (lo, hi) in zip(self.buckets, self.chunks)]
         self._waiting: dict[int, list[int]] = {}  # bucket -> parameters not yet copied in
+        # ZeRO-3's release of a bucket's parameters once its gradients are reduced
+        self.after_bucket: Callable[[int], None] | None = None
 
     def arm(self, divisor: int) -> None:
         super().arm(divisor)
@@ -87,6 +89,8 @@ class ScatterReducer(Reducer):
             self.grad_shards[bucket.index].copy_(buffer[lo:hi])
         for i in bucket.param_indices:
             self.params[i].grad = None  # the scratch is the next bucket's now
+        if self.after_bucket is not None:
+            self.after_bucket(bucket.index)
 
     def shadow_backward(self, divisor: int) -> None:
         raise NotImplementedError("join() is refused for sharded DataParallel")

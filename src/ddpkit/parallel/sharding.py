@@ -8,11 +8,15 @@
 * ``"gradients"`` (ZeRO-2): as above, but each bucket is reduce-scattered: every rank
   sums only the chunk it owns, with no write-back to its peers; the module's ``.grad``
   are cleared after backward, since only this rank's chunks hold reduced values.
+* ``"parameters"`` (ZeRO-3): as ``"gradients"``, and the full parameters are in memory
+  only while a module holding them runs forward or backward (gathered per bucket,
+  released after; :mod:`ddpkit.parallel.layer_gathering`).
 
 Both sum every element in the order the unsharded all-reduce does (the shard cut is the
 all-reduce's own, :mod:`ddpkit.parallel.shard_layout`), so weights are bit for bit those
-of ``shard="none"`` with the same ``comm``. After ``opt.step()`` only this rank's chunks
-of the weights are new; the next forward (or state dict) first gathers every rank's.
+of ``shard="none"`` with the same ``comm`` (gathering copies values exactly). After
+``opt.step()`` only this rank's chunks of the weights are new; the next forward (or
+state dict) first gathers every rank's.
 
 The layout is fixed at construction (no re-bucketing after the first backward): the
 optimizer holds the shard parameters cut from it.
@@ -22,15 +26,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.comm.collectives import all_reduce as comm_all_reduce
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.layer_gathering import LayerGathering
 from ddpkit.parallel.sharded_params import ShardedParameters
 
-SHARD_CHOICES = ("none", "optimizer", "gradients")
+SHARD_CHOICES = ("none", "optimizer", "gradients", "parameters")
 
 
 def check_mode(shard: str) -> str:
@@ -52,7 +58,7 @@ def agree_on_mode(mode: str, group) -> None:
 class Sharding:
     """What a sharded DataParallel adds around its reducer."""
 
-    def __init__(self, mode: str, reducer, transport, group):
+    def __init__(self, mode: str, reducer, transport, group, module: torch.nn.Module):
         self.mode = mode
         self.group = group
         self.reducer = reducer
@@ -60,17 +66,30 @@ class Sharding:
         reducer.rebuilt = True
         self.params = ShardedParameters(reducer.params, reducer.buckets,
                                         dist.get_rank(group), dist.get_world_size(group),
-                                        transport)
+                                        transport, own_shards=mode == "parameters")
+        self.layers: LayerGathering | None = None
+        if mode == "parameters":
+            self.layers = LayerGathering(module, reducer.params, reducer.bucket_of, self.params)
+            reducer.after_bucket = self.layers.after_reduction
+            self.layers.release_all()
         self._reduced = False  # module .grad hold a finished reduction (not to accumulate)
         reducer.after_backward.append(self._after_backward)
 
+    @property
+    def scatters(self) -> bool:
+        """Whether each rank keeps only its chunk of every reduced gradient bucket."""
+        return self.mode in ("gradients", "parameters")
+
     def _after_backward(self) -> None:
-        if self.mode == "gradients":  # the reducer kept each bucket's reduced chunk
+        if self.scatters:  # the reducer kept each bucket's reduced chunk
             for shard, grad in zip(self.params.shards, self.reducer.grad_shards):
                 shard.grad = grad
         else:
             self.params.point_grads_at(self.reducer.buckets)
-        self.params.stale = True
+        if self.layers is not None:
+            self.layers.release_all()  # the optimizer steps the shards next
+        else:
+            self.params.stale = True
         self._reduced = True
 
     def before_forward(self) -> None:
@@ -78,12 +97,21 @@ class Sharding:
         backward ran on all of them) and drop gradients a finished reduction left in
         the module, so the next backward does not add onto them (the user's
         ``zero_grad`` only reaches the shards)."""
-        if self.params.stale:
+        if self.layers is not None:
+            if self._reduced or self.layers.held:
+                # what gather_parameters() held may predate opt.step()
+                self.layers.release_all()
+            self.layers.before_forward()
+        elif self.params.stale:
             self.params.gather()
         if self._reduced and torch.is_grad_enabled():
             for p in self.reducer.params:
                 p.grad = None
             self._reduced = False
+
+    def around_forward(self):
+        """Context for the wrapped module's forward (ZeRO-3's first-forward watch)."""
+        return self.layers.around_forward() if self.layers is not None else nullcontext()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients the optimizer will use to a total norm of ``max_norm``.
@@ -92,7 +120,7 @@ class Sharding:
         views of them), so this is torch's ``clip_grad_norm_`` on them, and the numbers
         are the unsharded engine's. ``"gradients"``: the norm of all ranks' chunks
         (partial sums combined by one all-reduce), then each chunk scaled."""
-        if self.mode == "optimizer":
+        if not self.scatters:
             return torch.nn.utils.clip_grad_norm_(self.reducer.params, max_norm, norm_type)
         grads = [s.grad for s in self.params.shards if s.grad is not None]
         return clip_sharded(grads, max_norm, norm_type, self.group)

@@ -120,7 +120,8 @@ class TrainConfig:
                      "for CPU ranks on one host, the backend otherwise), backend, ring or shm "
                      "(default: auto)", default="auto", metavar="COMM")
     shard: str = flag("--shard", "ZeRO sharding: none, optimizer (optimizer state split across "
-                      "ranks) or gradients (and gradients too) (default: none)",
+                      "ranks), gradients (and gradients too) or parameters (and the weights "
+                      "too) (default: none)",
                       default="none", choices=SHARD_CHOICES)
     # Exact mode: the same bits at any world size (docs/exact.md).
     exact: bool = flag("--exact", "the same bits at any world size and across a resume at "

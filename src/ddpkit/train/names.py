@@ -10,5 +10,5 @@ DATASETS = ("digits", "mnist", "synthetic")  # ddpkit.data.datasets.DATASETS
 MODELS = ("mlp", "net", "toy")  # ddpkit.train.models.MODELS
 ENGINES = ("ddpkit", "torch")  # ddpkit.parallel.ENGINES
 COMM_CHOICES = ("auto", "backend", "ring", "shm")  # ddpkit.parallel.COMM_CHOICES
-SHARD_CHOICES = ("none", "optimizer", "gradients")  # ddpkit.parallel.SHARD_CHOICES
+SHARD_CHOICES = ("none", "optimizer", "gradients", "parameters")  # ddpkit.parallel.SHARD_CHOICES
 EXIT_PREEMPTED = 75  # ddpkit.fault.EXIT_PREEMPTED

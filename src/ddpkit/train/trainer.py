@@ -543,6 +543,8 @@ class Trainer:
             bad = divergence.first_bad(sums[:1])
             if bad is not None:
                 raise self._diverged(f"the training loss on rank {rank} is {bad}")
+        if self.sharded:  # every rank's updated shards into the module (collective)
+            self.model.gather_parameters()
         if not divergence.weights_finite(unwrap(self.model).parameters()):
             raise self._diverged("the weights are no longer finite")
 

@@ -211,6 +211,8 @@ def verify(cfg: Config, world: World, *, steps: int = 10, dtype: str = "float32"
             taken += 1
             if taken == steps:
                 break
+    if trainer.sharded:  # every rank's updated shards into the module (collective)
+        trainer.model.gather_parameters()
     params = [p.detach().to("cpu", copy=True) for p in unwrap(trainer.model).parameters()]
 
     # Every rank compares itself with rank 0; the worst gap comes back to all.
