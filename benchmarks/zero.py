@@ -6,6 +6,7 @@ process; variants interleaved in a fresh random order every repeat):
 * dp_none       - ddpkit.DataParallel(model)                      (shard="none")
 * dp_optimizer  - ddpkit.DataParallel(model, shard="optimizer")   (ZeRO-1)
 * dp_gradients  - ddpkit.DataParallel(model, shard="gradients")   (ZeRO-2)
+* dp_parameters - ddpkit.DataParallel(model, shard="parameters")  (ZeRO-3)
 * torch_ddp     - torch.nn.parallel.DistributedDataParallel(model)
 * torch_zero    - torch DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW)
 
@@ -15,9 +16,12 @@ step of every repeat on rank 0, its ratio to dp_none; per rank the peak RSS grow
 the bare model (VmHWM after the steps minus VmRSS once model and batches exist, with
 the peak reset there through /proc/self/clear_refs), and the optimizer-state bytes; next
 to them the bytes per parameter the formulas give for everything but the weights:
-none 12 (gradients 4 + AdamW 8), optimizer 4 + 8/N, gradients 12/N. The weights (4 bytes
-per parameter) are in the bare model; ``--with-weights`` measures from before the model
-is built instead, against 16, 4 + 4 + 8/N and 4 + 12/N.
+none 12 (gradients 4 + AdamW 8), optimizer 4 + 8/N, gradients 12/N, parameters 16/N - 4
+(the weights themselves are sharded too). The weights (4 bytes per parameter) are in the
+bare model; ``--with-weights`` measures from before the model is built instead, against
+16, 4 + 4 + 8/N, 4 + 12/N and 16/N. (A model is built whole before DataParallel shards
+it, so a rank's peak from before the build is at least the 4 bytes per parameter of the
+whole model, whatever the mode.)
 
 Run:  python benchmarks/zero.py [--world-size 2 --model mlp14m --repeats 3 --steps 6]
       python benchmarks/zero.py --model mlp200m --variants dp_none,dp_optimizer,dp_gradients \\
@@ -44,8 +48,10 @@ from ddpkit.jsonfiles import write_atomic
 from ddpkit.parallel.sharded_state import state_bytes
 
 MODELS = {"mlp14m": (1536, 6), "mlp200m": (5000, 8)}  # (width, Linear layers)
-VARIANTS = ("dp_none", "dp_optimizer", "dp_gradients", "torch_ddp", "torch_zero")
-SHARD = {"dp_none": "none", "dp_optimizer": "optimizer", "dp_gradients": "gradients"}
+VARIANTS = ("dp_none", "dp_optimizer", "dp_gradients", "dp_parameters", "torch_ddp",
+            "torch_zero")
+SHARD = {"dp_none": "none", "dp_optimizer": "optimizer", "dp_gradients": "gradients",
+         "dp_parameters": "parameters"}
 
 
 def make_model(name: str) -> nn.Module:
@@ -73,7 +79,8 @@ def reset_peak() -> None:
 
 def formula_bytes(variant: str, world: int, with_weights: bool) -> float | None:
     shard = {**SHARD, "torch_ddp": "none", "torch_zero": "optimizer"}[variant]
-    extra = {"none": 12.0, "optimizer": 4.0 + 8.0 / world, "gradients": 12.0 / world}[shard]
+    extra = {"none": 12.0, "optimizer": 4.0 + 8.0 / world, "gradients": 12.0 / world,
+             "parameters": 16.0 / world - 4.0}[shard]
     return extra + (4.0 if with_weights else 0.0)
 
 
