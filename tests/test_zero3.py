@@ -10,6 +10,7 @@ test_zero.py with the other modes.)
 * the flat tensors are freed for real: their storage holds no bytes.
 """
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -200,3 +201,58 @@ def test_activation_checkpointing_recomputes_with_the_gathered_weights(pools):
     for (state, buckets), (plain, _) in zip(got, expected):
         assert buckets == 4  # [head, block.2], [block.0], [inp], [scale]
         assert all(torch.equal(a, b) for a, b in zip(state, plain))
+
+
+class Branchy(nn.Module):
+    """BatchNorm buffers, a float64 layer (a bucket of its own dtype) and a branch that
+    some steps skip (every rank alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(64, 200)
+        self.norm = nn.BatchNorm1d(200)
+        self.skip = nn.Linear(200, 200)
+        self.wide = nn.Linear(200, 8).double()
+        self.out = nn.Linear(8, 5)
+
+    def forward(self, x, use_skip):
+        h = torch.relu(self.norm(self.inp(x)))
+        if use_skip:
+            h = h + self.skip(h)
+        return self.out(self.wide(h.double()).float())
+
+
+def run_branchy(world, mode, find_unused, static_graph):
+    from ddpkit.parallel import DataParallel
+
+    torch.manual_seed(9)
+    ddp = DataParallel(Branchy(), shard=mode, bucket_cap_mb=0.0038,
+                       find_unused_parameters=find_unused, static_graph=static_graph)
+    # A parameter no rank used keeps .grad None unsharded, and torch's optimizers skip
+    # it; a shard holding it gets zeros there, which plain SGD turns into no change but
+    # AdamW (weight decay, moments) would not (docs/sharding.md). So: plain SGD when
+    # steps skip the branch.
+    opt = (torch.optim.SGD(ddp.parameters(), lr=0.1) if find_unused
+           else torch.optim.AdamW(ddp.parameters(), lr=0.01))
+    evals = []
+    for step in range(4):
+        x, y = _batch(step, world.rank, n=8)
+        ddp.train()
+        opt.zero_grad()
+        F.cross_entropy(ddp(x, use_skip=step % 2 == 0 or not find_unused), y).backward()
+        opt.step()
+        ddp.eval()  # an evaluation between steps, through the engine, no grad
+        with torch.no_grad():
+            evals.append(ddp(_batch(50, 0, n=8)[0], use_skip=True).clone())
+    return [v.clone() for v in ddp.state_dict().values()], evals
+
+
+@pytest.mark.parametrize("find_unused,static_graph", [(True, False), (False, True)])
+def test_unused_branches_buffers_dtypes_and_evaluation_match_unsharded(pools, find_unused,
+                                                                      static_graph):
+    expected = pools(2).run(run_branchy, "none", find_unused, static_graph)
+    got = pools(2).run(run_branchy, "parameters", find_unused, static_graph)
+    for (state, evals), (plain, plain_evals) in zip(got, expected):
+        assert len(state) == len(plain) == 13  # 10 parameters' worth and BatchNorm's 3 buffers
+        assert all(torch.equal(a, b) for a, b in zip(state, plain))
+        assert all(torch.equal(a, b) for a, b in zip(evals, plain_evals))
