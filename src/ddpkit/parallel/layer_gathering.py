@@ -113,7 +113,7 @@ class LayerGathering:
         if bucket not in self.always:
             self.sharded.release(bucket)
 
-    # -- around the wrapped module's forward ----------------------------------------------
+    # -- the user's own access to the module ---------------------------------------------
 
     def _refuse_released(self, module: nn.Module, *args) -> None:
         if not all(self.sharded.resident):
@@ -135,6 +135,8 @@ class LayerGathering:
         for b in range(len(self.sharded.flats)):
             self.sharded.release(b)
 
+    # -- around the wrapped module's forward ----------------------------------------------
+
     def before_forward(self) -> None:
         """The buckets kept resident for good, gathered afresh (the optimizer may have
         stepped their shards since)."""
@@ -144,6 +146,7 @@ class LayerGathering:
     @contextlib.contextmanager
     def around_forward(self) -> Iterator[None]:
         self.in_backward = False
+        self.running = []  # a forward that raised left its modules here
         if self.watched:
             yield
         else:
