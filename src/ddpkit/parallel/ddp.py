@@ -411,7 +411,9 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         else:
             with self._sharding.around_forward():
                 output = self.module(*args, **kwargs)
-        if self.reducer.armed:
+        if self.reducer.armed and "torch._dynamo" in sys.modules:
+            _forward_end_eagerly(self._logging)  # a clock read: not graph material
+        elif self.reducer.armed:
             self._logging.forward_end()
         return output
 
@@ -687,3 +689,4 @@ def _default_group() -> dist.ProcessGroup:
 # break) and only the wrapped module's forward is compiled. torch._disable_dynamo imports
 # dynamo on first call, not here.
 _before_forward_eagerly = torch._disable_dynamo(DataParallel._before_forward)
+_forward_end_eagerly = torch._disable_dynamo(LoggingData.forward_end)

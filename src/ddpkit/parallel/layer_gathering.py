@@ -29,6 +29,10 @@ its bucket was released. The first forward runs with everything resident and wat
 every torch call (a ``TorchFunctionMode``): a parameter passed to one while no module
 holding it is running keeps its bucket resident for good, gathered again before every
 forward.
+
+Under ``torch.compile`` all of this runs outside the compiled graphs (``_eagerly``): the
+collectives and the bookkeeping are not graph material, and a traced gather would be
+compiled with the shared slots' byte views in it.
 """
 
 from __future__ import annotations
@@ -74,8 +78,8 @@ class LayerGathering:
             for p in own:
                 self.holders.setdefault(id(p), set()).add(id(m))
             self.buckets_of[id(m)] = tuple(sorted({self.bucket_of_param[id(p)] for p in own}))
-            self._handles.append(m.register_forward_pre_hook(self._before_module))
-            self._handles.append(m.register_forward_hook(self._after_module))
+            self._handles.append(m.register_forward_pre_hook(_eagerly(self._before_module)))
+            self._handles.append(m.register_forward_hook(_eagerly(self._after_module)))
 
     # -- hooks ---------------------------------------------------------------------------
 
@@ -143,21 +147,35 @@ class LayerGathering:
         for b in sorted(self.always):
             self.sharded.gather_bucket(b)
 
-    @contextlib.contextmanager
-    def around_forward(self) -> Iterator[None]:
+    def start_forward(self) -> None:
+        """Before the wrapped module's forward."""
         self.in_backward = False
         self.running = []  # a forward that raised left its modules here
-        if self.watched:
-            yield
-        else:
+        if not self.watched:
             self.sharded.gather()  # the first forward runs with everything resident
-            with _OutsideUses(self):
-                yield
+            self._watch = _OutsideUses(self)
+            self._watch.__enter__()
+
+    def end_forward(self) -> None:
+        """After the wrapped module's forward returned."""
+        if not self.watched:
+            self._watch.__exit__(None, None, None)
             self.watched = True
         if not torch.is_grad_enabled():  # no backward will need what is resident
             for b in range(len(self.sharded.flats)):
                 if b not in self.always:
                     self.sharded.release(b)
+
+    @contextlib.contextmanager
+    def around_forward(self) -> Iterator[None]:
+        _eagerly(self.start_forward)()
+        try:
+            yield
+        except BaseException:
+            if not self.watched:
+                self._watch.__exit__(None, None, None)
+            raise
+        _eagerly(self.end_forward)()
 
     def note_use(self, tensor: torch.Tensor) -> None:
         holders = self.holders.get(id(tensor))
@@ -180,3 +198,13 @@ class _OutsideUses(TorchFunctionMode):
             if isinstance(leaf, nn.Parameter):
                 self.gathering.note_use(leaf)
         return func(*args, **kwargs)
+
+
+def _eagerly(method):
+    """``method`` run outside torch.compile's tracing (its collectives and bookkeeping
+    are not graph material: a graph break, as DataParallel's own _before_forward)."""
+
+    def run(*args, **kwargs):
+        return method(*args, **kwargs)
+
+    return torch._disable_dynamo(run)
