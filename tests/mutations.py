@@ -94,9 +94,16 @@ MUTATIONS = (
     Mutation(
         "zero3-gather-forgets-this-ranks-stepped-chunk",
         "ddpkit/parallel/sharded_params.py",
-        "            flat[s.lo:s.hi].copy_(self.shards[b])\n",
+        "            flat[s.lo:s.hi].copy_(self.chunks[b])\n",
         "",
         ("tests/test_zero.py", "-k", "bit_identical", "-m", "not slow"),
+    ),
+    Mutation(
+        "sharded-optimizer-steps-parameters-no-rank-used",
+        "ddpkit/parallel/sharded_params.py",
+        "shard.grad = None if piece.param in unused else _part(chunk_grads[k], piece)",
+        "shard.grad = _part(chunk_grads[k], piece)",
+        ("tests/test_zero3.py", "-k", "unused"),
     ),
 )
 

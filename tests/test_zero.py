@@ -1,16 +1,19 @@
 """DataParallel(shard="optimizer" | "gradients" | "parameters"): ZeRO-1/2/3 against the
 unsharded engine.
 
-* ordinary torch code (AdamW on ``model.parameters()``, ``loss.backward()``,
-  ``opt.step()``, ``no_sync`` accumulation) gives weights torch.equal to ``shard="none"``
+* ordinary torch code (AdamW with parameter groups chosen by name from
+  ``model.named_parameters()``, ``loss.backward()``, ``opt.step()``, ``no_sync``
+  accumulation) gives weights torch.equal to ``shard="none"``
   with the same comm, at W = 2 and 3, on shared memory and on the backend, with buckets
   large enough for the shm reduce-scatter's own path and small ones;
-* the optimizer holds 1/W of the state; ``model.parameters()`` are the flat shards;
+* the optimizer holds 1/W of the state; ``model.parameters()`` are this rank's pieces
+  of the module's parameters, named after them;
 * ``clip_grad_norm_`` over shards equals torch's on the full gradients;
 * ``state_dict()`` is the full module's; ``load_state_dict`` of it takes effect;
 * a checkpoint of a sharded run (one file per rank) resumes at another world size with
   the same weights as an unsharded run resumed the same way;
-* mistakes are one ConfigError line.
+* mistakes are one ConfigError line;
+* an optimizer state written in the per-bucket format still loads.
 """
 
 import copy
@@ -37,13 +40,22 @@ def _batch(step, rank, n=6):
     return torch.randn(n, 64, generator=g), torch.randint(0, 5, (n,), generator=g)
 
 
+def _adamw(ddp):
+    # torch's usual parameter groups, chosen by name: no weight decay on biases
+    named = list(ddp.named_parameters())
+    return torch.optim.AdamW([
+        {"params": [p for n, p in named if not n.endswith("bias")], "weight_decay": 0.05},
+        {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}],
+        lr=0.01)
+
+
 def _train(world, mode, comm, steps=3, accumulate=False, clip=None, bucket_cap_mb=0.1):
     from ddpkit.parallel import DataParallel
 
     torch.manual_seed(7)
     model = _mlp()
     ddp = DataParallel(model, shard=mode, comm=comm, bucket_cap_mb=bucket_cap_mb)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.05)
+    opt = _adamw(ddp)
     norms = []
     for step in range(steps):
         opt.zero_grad()
@@ -70,6 +82,7 @@ def run_modes(world, comm, accumulate, clip):
             "state_bytes": ddp.optimizer_state_bytes(opt),
             "param_numel": sum(p.numel() for p in ddp.parameters()),
             "module_numel": sum(p.numel() for p in ddp.module.parameters()),
+            "names": [n for n, _ in ddp.named_parameters()],
             "norms": norms,
             "transport": ddp.comm,
         }
@@ -91,6 +104,8 @@ def test_sharded_training_is_bit_identical_to_unsharded(pools, world_size, comm)
             total = r[mode]["module_numel"]
             assert r[mode]["param_numel"] < total / world_size + 64
             assert r[mode]["state_bytes"] < r["none"]["state_bytes"] / world_size + 1024
+            # named after the module parameters they are cut from
+            assert r[mode]["names"] and set(r[mode]["names"]) <= set(r["none"]["names"])
         assert all(torch.equal(a, b) for a, b in zip(r["none"]["state"],
                                                      results[0]["none"]["state"]))
     assert sum(r["gradients"]["param_numel"] for r in results) == results[0]["none"]["param_numel"]
@@ -156,7 +171,7 @@ def run_resume(world, directory, mode):
 
     torch.manual_seed(5)
     ddp = DataParallel(_mlp(), shard=mode, bucket_cap_mb=0.1)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.05)
+    opt = _adamw(ddp)
     restore_state(Checkpointer(directory).load_latest(), model=ddp, optimizer=opt)
     for step in range(2, 4):
         opt.zero_grad()
@@ -305,3 +320,34 @@ def test_an_unsharded_checkpoint_continues_sharded_and_the_reverse_is_one_line(p
     into_plain = pools(2).run(run_resume_into_other_kind, sharded, "none")
     assert all("holds a sharded optimizer state; resume it into DataParallel(shard=" in e
                for e in into_plain)
+
+
+# -- the optimizer-state format written before one parameter per piece --------------------
+
+def run_per_bucket_format_loads(world):
+    from ddpkit.parallel import DataParallel
+
+    ddp, opt, _ = _train(world, "gradients", "auto", steps=2)
+    common, part = ddp.optimizer_shard_state(opt)
+    names, bucket_of = ddp.reducer.names, ddp.reducer.bucket_of
+    # format 1 kept the values that do not run along a shard (AdamW's step) per bucket
+    old_common = {**common, "format": "ddpkit-sharded-optimizer/1"}
+    old_part = {**part, "scalars": {bucket_of[names.index(name)]: values
+                                    for name, values in part["scalars"].items()}}
+    loaded = {}
+    for label, (c, p) in (("new", (common, part)), ("old", (old_common, old_part))):
+        torch.manual_seed(99)
+        other = DataParallel(_mlp(), shard="gradients", bucket_cap_mb=0.1)
+        other_opt = _adamw(other)
+        other.load_optimizer_shards(other_opt, c, [p])
+        loaded[label] = other_opt.state_dict()["state"]
+    same = loaded["new"].keys() == loaded["old"].keys() == opt.state_dict()["state"].keys()
+    for index, state in loaded["new"].items():
+        for key, value in state.items():
+            same = same and torch.equal(value, loaded["old"][index][key])
+    return same, len(loaded["new"])
+
+
+def test_a_per_bucket_optimizer_state_still_loads(pools):
+    for same, stepped in pools(2).run(run_per_bucket_format_loads):
+        assert same and stepped >= 2

@@ -231,12 +231,9 @@ def run_branchy(world, mode, find_unused, static_graph):
     torch.manual_seed(9)
     ddp = DataParallel(Branchy(), shard=mode, bucket_cap_mb=0.0038,
                        find_unused_parameters=find_unused, static_graph=static_graph)
-    # A parameter no rank used keeps .grad None unsharded, and torch's optimizers skip
-    # it; a shard holding it gets zeros there, which plain SGD turns into no change but
-    # AdamW (weight decay, moments) would not (docs/sharding.md). So: plain SGD when
-    # steps skip the branch.
-    opt = (torch.optim.SGD(ddp.parameters(), lr=0.1) if find_unused
-           else torch.optim.AdamW(ddp.parameters(), lr=0.01))
+    # AdamW with weight decay: a parameter no rank used must be skipped (its .grad None)
+    # with its own step count, as unsharded, or its weights and moments would move
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.01, weight_decay=0.1)
     evals = []
     for step in range(4):
         x, y = _batch(step, world.rank, n=8)
@@ -254,11 +251,13 @@ def run_branchy(world, mode, find_unused, static_graph):
 def test_unused_branches_buffers_dtypes_and_evaluation_match_unsharded(pools, find_unused,
                                                                       static_graph):
     expected = pools(2).run(run_branchy, "none", find_unused, static_graph)
-    got = pools(2).run(run_branchy, "parameters", find_unused, static_graph)
-    for (state, evals), (plain, plain_evals) in zip(got, expected):
-        assert len(state) == len(plain) == 13  # 10 parameters' worth and BatchNorm's 3 buffers
-        assert all(torch.equal(a, b) for a, b in zip(state, plain))
-        assert all(torch.equal(a, b) for a, b in zip(evals, plain_evals))
+    modes = ("optimizer", "gradients", "parameters") if find_unused else ("parameters",)
+    for mode in modes:
+        got = pools(2).run(run_branchy, mode, find_unused, static_graph)
+        for (state, evals), (plain, plain_evals) in zip(got, expected):
+            assert len(state) == len(plain) == 13  # 10 parameters and BatchNorm's 3 buffers
+            assert all(torch.equal(a, b) for a, b in zip(state, plain)), mode
+            assert all(torch.equal(a, b) for a, b in zip(evals, plain_evals)), mode
 
 
 def run_tied_compiled(world, mode):

@@ -17,7 +17,7 @@ from ddpkit.checkpoint.store import FORMAT, RANK_SHARD, SHARD_FILES, Checkpointe
 from ddpkit.errors import DdpkitError
 from ddpkit.log import get_logger
 from ddpkit.parallel.exact_reducer import ExactReducer
-from ddpkit.parallel.sharded_state import FORMAT as SHARDED_OPTIMIZER
+from ddpkit.parallel.sharded_state import is_sharded_state
 
 log = get_logger(__name__)
 
@@ -166,8 +166,7 @@ def restore_state(
     if model is not None:
         load_model_state(model, state["model"], source)
     saved_optimizer = state.get("optimizer")
-    sharded_save = isinstance(saved_optimizer, Mapping) and \
-        saved_optimizer.get("format") == SHARDED_OPTIMIZER
+    sharded_save = is_sharded_state(saved_optimizer)
     if optimizer is not None and (sharded_save or _sharded(model)):
         _restore_sharded_optimizer(state, model, optimizer, sharded_save, source)
     elif optimizer is not None:

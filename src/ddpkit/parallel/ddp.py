@@ -544,8 +544,9 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
     # -- sharding (shard="optimizer" | "gradients" | "parameters"); pass-throughs with "none"
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The module's parameters, or with sharding this rank's flat shards (what the
-        optimizer should hold)."""
+        """The module's parameters, or with sharding this rank's shard of them: one
+        parameter per module parameter with elements on this rank (what the optimizer
+        should hold)."""
         if self._sharding is None:
             return super().parameters(recurse)
         return iter(self._sharding.params.shards)
@@ -555,7 +556,7 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         if self._sharding is None:
             return super().named_parameters(prefix, recurse, remove_duplicate)
         dot = f"{prefix}." if prefix else ""
-        return iter([(dot + name, p) for name, p in self._sharding.params.named()])
+        return iter([(f"{dot}module.{name}", p) for name, p in self._sharding.params.named()])
 
     def gather_parameters(self) -> None:
         """Give the wrapped module the full updated parameters now (collective; with
@@ -627,14 +628,16 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
     def load_unsharded_optimizer_state(self, optimizer: torch.optim.Optimizer,
                                        state_dict: Any) -> None:
         """Give ``optimizer`` this rank's shard of an unsharded optimizer's
-        ``state_dict()`` (one built on the module's parameters): a run continues sharded
-        from a checkpoint written without sharding."""
+        ``state_dict()`` (one built on the module's parameters, its groups by the same
+        rule as ``optimizer``'s): a run continues sharded from a checkpoint written
+        without sharding. Collective."""
         if self._sharding is None:
             raise ConfigError("load_unsharded_optimizer_state needs DataParallel(shard=...); "
                               "without sharding use optimizer.load_state_dict()")
+        groups = sharded_state.unsharded_groups(optimizer, self._sharding.params, self.group)
         common, part = sharded_state.from_unsharded(
-            state_dict, self.reducer.params, self.reducer.names, self.reducer.bucket_of,
-            len(self.reducer.buckets))
+            state_dict, self.reducer.params, self.reducer.names, len(self.reducer.buckets),
+            groups)
         self.load_optimizer_shards(optimizer, common, [part])
 
     def optimizer_state_bytes(self, optimizer: torch.optim.Optimizer) -> int:

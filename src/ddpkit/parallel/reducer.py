@@ -123,6 +123,8 @@ class Reducer:
         # after_next_backward() once, at the end of the next one.
         self.on_event: Callable[[str, str], None] | None = None
         self.after_backward: list[Callable[[], None]] = []
+        # parameters the last synchronized backward left without a gradient (.grad None)
+        self.left_unused: set[int] = set()
         self.after_next_backward: Callable[[], None] | None = None
         self.comm_hook = comm_hook
         self.comm_state = comm_state
@@ -391,6 +393,7 @@ class Reducer:
                 self.on_event("comm_end", "")
             if globally_used is not None and self.static_graph and not self.find_unused:
                 self.static_unused = {i for i, used in enumerate(globally_used) if not used}
+            self.left_unused = set()
             for i in missing:
                 # Unused on every rank and no gradient before: leave .grad as None,
                 # like torch, so optimizers skip the parameter.
@@ -398,6 +401,7 @@ class Reducer:
                           else i in self.static_unused)
                 if unused and not had_grad[i]:
                     self.params[i].grad = None
+                    self.left_unused.add(i)
             self.synced_iterations += 1
             for callback in self.after_backward:
                 callback()

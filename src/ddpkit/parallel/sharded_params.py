@@ -1,19 +1,24 @@
-"""The flat shard parameters a sharded DataParallel hands the user's optimizer.
+"""The shard parameters a sharded DataParallel hands the user's optimizer.
 
 The wrapped module's parameters are moved into one flat tensor per gradient bucket,
-laid out exactly as the bucket (each parameter becomes a view of its slot). Under
-``"optimizer"`` and ``"gradients"`` this rank's shard of that flat tensor is an
-``nn.Parameter`` that is a view too, so the optimizer the user builds on
-``model.parameters()`` updates the module's own weights in place, for the part this rank
-owns, and holds state (AdamW's two moments) for that part only. Its gradient is the same
-chunk of the gradient bucket, summed there by the reduce-scatter.
+laid out exactly as the bucket (each parameter becomes a view of its slot). This rank
+owns one chunk of each flat tensor (:mod:`ddpkit.parallel.shard_layout`); under
+``"optimizer"`` and ``"gradients"`` the chunk is a view of the flat tensor. The
+optimizer gets one ``nn.Parameter`` per *piece*: the part of one module parameter that
+falls in this rank's chunk, a view of the chunk, named after that parameter. So the
+optimizer the user builds on ``model.parameters()`` updates the module's own weights in
+place, for the part this rank owns, holds state (AdamW's two moments) for that part
+only, and sees parameters as torch does: parameter groups chosen by name work, and a
+parameter that got no gradient (``.grad`` None) is skipped, with its own step count.
+A piece's gradient is the same part of the gradient bucket's chunk, summed there by the
+reduce-scatter.
 
 After a step each rank has updated only its chunks; :meth:`ShardedParameters.gather`
 copies every rank's chunks to everyone (an all-gather in place, through the shared
 slots on one host), which the engine runs before the next forward and before a state
 dict is taken.
 
-Under ``"parameters"`` (ZeRO-3, ``own_shards``) a shard is its own tensor and the flat
+Under ``"parameters"`` (ZeRO-3, ``own_shards``) a chunk is its own tensor and the flat
 tensors are only *resident* while something needs them: :meth:`release` frees a flat
 tensor's memory (its storage is resized to nothing, so the module's parameters and any
 view autograd saved of them stay the same tensors) and :meth:`gather_bucket` gives it
@@ -29,15 +34,18 @@ import torch
 from torch import nn
 
 from ddpkit.parallel.buckets import Bucket
-from ddpkit.parallel.shard_layout import BucketShard, bucket_shards
+from ddpkit.parallel.shard_layout import BucketShard, Piece, bucket_shards
 
 
 class ShardedParameters:
-    """Flat weights per bucket, this rank's shard parameters, and their gathering."""
+    """Flat weights per bucket, this rank's chunk of each and its piece parameters, and
+    their gathering."""
 
-    def __init__(self, params: Sequence[nn.Parameter], buckets: Sequence[Bucket], rank: int,
-                 world_size: int, transport, *, own_shards: bool = False):
+    def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str],
+                 buckets: Sequence[Bucket], rank: int, world_size: int, transport, *,
+                 own_shards: bool = False):
         self.transport = transport
+        self.names = list(names)
         self.layout: list[BucketShard] = bucket_shards(buckets, params, rank, world_size)
         self.flats: list[torch.Tensor] = []
         with torch.no_grad():
@@ -53,18 +61,31 @@ class ShardedParameters:
                     p.data = slot.view_as(p)
                 self.flats.append(flat)
         self.own_shards = own_shards
-        self.shards = [nn.Parameter(flat[s.lo:s.hi].clone() if own_shards else flat[s.lo:s.hi])
+        self.chunks = [flat[s.lo:s.hi].clone() if own_shards else flat[s.lo:s.hi]
                        for flat, s in zip(self.flats, self.layout)]
+        # (bucket, piece) of every shard parameter, in bucket order
+        self.pieces: list[tuple[int, Piece]] = [(k, piece) for k, s in enumerate(self.layout)
+                                                 for piece in s.pieces]
+        self.shards = [nn.Parameter(_part(self.chunks[k], piece)) for k, piece in self.pieces]
+        if not self.shards:
+            # This rank owns no element (a model smaller than the ranks' cache-line cut):
+            # one empty parameter, so that an optimizer can still be built on the list.
+            self.shards = [nn.Parameter(self.chunks[0][:0] if self.chunks
+                                        else torch.empty(0))]
         self.resident = [True] * len(self.flats)
         self.stale = False  # a synchronized backward ran since the last gather
 
     def named(self) -> list[tuple[str, nn.Parameter]]:
-        return [(f"shard{s.bucket}", p) for s, p in zip(self.layout, self.shards)]
+        """The shard parameters under the names of the module parameters they are cut
+        from (empty when this rank owns nothing)."""
+        return [(self.names[piece.param], p) for (_, piece), p in zip(self.pieces, self.shards)]
 
-    def point_grads_at(self, buckets: Sequence[Bucket]) -> None:
-        """Each shard's gradient is its chunk of the (reduced) gradient bucket."""
-        for shard, s, bucket in zip(self.shards, self.layout, buckets):
-            shard.grad = bucket.buffer[s.lo:s.hi]
+    def set_grads(self, chunk_grads: Sequence[torch.Tensor], unused: set[int]) -> None:
+        """Each piece's gradient is its part of its bucket's (reduced) gradient chunk;
+        None for a module parameter in ``unused`` (no rank gave it a gradient), which
+        torch's optimizers then skip, as they skip it unsharded."""
+        for (k, piece), shard in zip(self.pieces, self.shards):
+            shard.grad = None if piece.param in unused else _part(chunk_grads[k], piece)
 
     def gather(self) -> None:
         """Every rank's updated chunks to every rank, in every bucket (collective)."""
@@ -85,7 +106,7 @@ class ShardedParameters:
         flat, s = self.flats[b], self.layout[b]
         flat.untyped_storage().resize_(flat.numel() * flat.element_size())
         with torch.no_grad():
-            flat[s.lo:s.hi].copy_(self.shards[b])
+            flat[s.lo:s.hi].copy_(self.chunks[b])
             self.transport.all_gather_chunks(flat, s.bounds)
         self.resident[b] = True
 
@@ -102,4 +123,9 @@ class ShardedParameters:
         with torch.no_grad():
             for b, (flat, s) in enumerate(zip(self.flats, self.layout)):
                 if self.resident[b]:
-                    self.shards[b].copy_(flat[s.lo:s.hi])
+                    self.chunks[b].copy_(flat[s.lo:s.hi])
+
+
+def _part(chunk: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The elements of ``chunk`` that hold ``piece``."""
+    return chunk[piece.at:piece.at + piece.stop - piece.start]

@@ -64,7 +64,7 @@ class Sharding:
         self.reducer = reducer
         # The shards the optimizer holds are cut from this layout: keep it.
         reducer.rebuilt = True
-        self.params = ShardedParameters(reducer.params, reducer.buckets,
+        self.params = ShardedParameters(reducer.params, reducer.names, reducer.buckets,
                                         dist.get_rank(group), dist.get_world_size(group),
                                         transport, own_shards=mode == "parameters")
         self.layers: LayerGathering | None = None
@@ -82,10 +82,11 @@ class Sharding:
 
     def _after_backward(self) -> None:
         if self.scatters:  # the reducer kept each bucket's reduced chunk
-            for shard, grad in zip(self.params.shards, self.reducer.grad_shards):
-                shard.grad = grad
+            chunks = self.reducer.grad_shards
         else:
-            self.params.point_grads_at(self.reducer.buckets)
+            chunks = [b.buffer[s.lo:s.hi] for b, s in zip(self.reducer.buckets,
+                                                           self.params.layout)]
+        self.params.set_grads(chunks, self.reducer.left_unused)
         if self.layers is not None:
             self.layers.release_all()  # the optimizer steps the shards next
         else:
