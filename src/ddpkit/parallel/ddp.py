@@ -138,7 +138,8 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
             and no static graph, torch's size-capped buckets, which it never re-lays).
         shard: ``"none"`` (default), ``"optimizer"`` (ZeRO-1), ``"gradients"`` (ZeRO-2) or
             ``"parameters"`` (ZeRO-3): ``model.parameters()`` then yields this rank's
-            flat shards, so the optimizer built on them holds 1/W of the state (see
+            pieces of the module's parameters, so the optimizer built on them holds 1/W
+            of the state (see
             :mod:`ddpkit.parallel.sharding`).
         exact: the same bits at any world size (:mod:`ddpkit.parallel.exact_reducer`):
             each step is ``virtual_shards`` shards run through :meth:`shards`, their

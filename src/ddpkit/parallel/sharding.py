@@ -1,7 +1,7 @@
 """``DataParallel(model, shard=...)``: ZeRO stages 1 and 2 on the engine's own buckets.
 
 * ``"none"``: every rank holds all of the optimizer state (plain data parallelism).
-* ``"optimizer"`` (ZeRO-1): ``model.parameters()`` yields this rank's flat shards, so the
+* ``"optimizer"`` (ZeRO-1): ``model.parameters()`` yields this rank's shard pieces, so the
   optimizer the user builds keeps state for 1/W of the weights. Buckets are all-reduced
   as usual; the wrapped module's ``.grad`` hold the full averaged gradients after
   backward (for inspection or clipping), and each shard's gradient is its chunk of them.

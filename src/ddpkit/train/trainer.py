@@ -148,7 +148,7 @@ class Trainer:
         # Dropout masks should differ between ranks but still follow from the seed. (In
         # exact mode they follow the shard; nothing random is left per rank.)
         torch.manual_seed(t.seed + 1 + (0 if t.exact else world.rank))
-        # Sharded: the optimizer holds this rank's flat shards (and their state) only.
+        # Sharded: the optimizer holds this rank's pieces of the weights (and their state).
         self.sharded = getattr(self.model, "shard", "none") != "none"
         self.optimizer = recipe.build_optimizer(
             (self.model if self.sharded else unwrap(self.model)).parameters(), cfg.optim)
