@@ -351,3 +351,38 @@ def run_per_bucket_format_loads(world):
 def test_a_per_bucket_optimizer_state_still_loads(pools):
     for same, stepped in pools(2).run(run_per_bucket_format_loads):
         assert same and stepped >= 2
+
+
+# -- a rank that owns no element ------------------------------------------------------------
+
+def run_tiny(world, mode, directory, steps):
+    from ddpkit.checkpoint import Checkpointer, collect_state, restore_state
+    from ddpkit.parallel import DataParallel
+
+    torch.manual_seed(1)
+    # 6 floats: the cut is cache-line aligned (16 floats), so one rank owns all of them
+    ddp = DataParallel(nn.Linear(2, 2), shard=mode)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.1)
+    ckpt = Checkpointer(directory)
+    start = 0
+    if ckpt.load_latest() is not None:
+        start = restore_state(ckpt.load_latest(), model=ddp, optimizer=opt)["step"]
+    for step in range(start, steps):
+        g = torch.Generator().manual_seed(10 * step + world.rank)
+        opt.zero_grad()
+        ddp(torch.randn(4, 2, generator=g)).square().sum().backward()
+        opt.step()
+    ckpt.save(collect_state(model=ddp, optimizer=opt, step=steps), steps)
+    return sum(p.numel() for p in ddp.parameters()), [v.clone() for v in
+                                                       ddp.state_dict().values()]
+
+
+def test_a_rank_that_owns_nothing_still_trains_saves_and_resumes(pools, tmp_path):
+    plain, sharded = str(tmp_path / "plain"), str(tmp_path / "sharded")
+    pools(3).run(run_tiny, "none", plain, 2)
+    owned = pools(3).run(run_tiny, "gradients", sharded, 2)
+    assert sorted(n for n, _ in owned) == [0, 0, 6]
+    expected = pools(2).run(run_tiny, "none", plain, 4)
+    got = pools(2).run(run_tiny, "parameters", sharded, 4)
+    for (_, a), (_, b) in zip(got, expected):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
