@@ -1,4 +1,4 @@
-"""``DataParallel(model, shard=...)``: ZeRO stages 1 and 2 on the engine's own buckets.
+"""``DataParallel(model, shard=...)``: ZeRO stages 1, 2 and 3 on the engine's own buckets.
 
 * ``"none"``: every rank holds all of the optimizer state (plain data parallelism).
 * ``"optimizer"`` (ZeRO-1): ``model.parameters()`` yields this rank's shard pieces, so the
@@ -12,7 +12,7 @@
   only while a module holding them runs forward or backward (gathered per bucket,
   released after; :mod:`ddpkit.parallel.layer_gathering`).
 
-Both sum every element in the order the unsharded all-reduce does (the shard cut is the
+All three sum every element in the order the unsharded all-reduce does (the shard cut is the
 all-reduce's own, :mod:`ddpkit.parallel.shard_layout`), so weights are bit for bit those
 of ``shard="none"`` with the same ``comm`` (gathering copies values exactly). After
 ``opt.step()`` only this rank's chunks of the weights are new; the next forward (or
@@ -119,8 +119,9 @@ class Sharding:
 
         ``"optimizer"``: the module holds the full averaged gradients (the shards are
         views of them), so this is torch's ``clip_grad_norm_`` on them, and the numbers
-        are the unsharded engine's. ``"gradients"``: the norm of all ranks' chunks
-        (partial sums combined by one all-reduce), then each chunk scaled."""
+        are the unsharded engine's. ``"gradients"`` and ``"parameters"``: the norm over
+        every rank's pieces (partial sums combined by one all-reduce), then each piece
+        scaled."""
         if not self.scatters:
             return torch.nn.utils.clip_grad_norm_(self.reducer.params, max_norm, norm_type)
         grads = [s.grad for s in self.params.shards if s.grad is not None]
