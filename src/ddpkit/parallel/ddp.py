@@ -563,7 +563,9 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         """Give the wrapped module the full updated parameters now (collective; with
         sharding the next forward and ``state_dict()`` do it by themselves; nothing to do
         without sharding). Call it before reading ``model.module``'s weights directly;
-        with ``shard="parameters"`` they stay in memory until the next forward."""
+        with ``shard="parameters"`` they stay in memory until the next forward (and
+        before it the module's parameter tensors have no memory: reading one can crash
+        the process)."""
         if self._sharding is None:
             return
         if self._sharding.layers is not None:
