@@ -412,10 +412,11 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         else:
             with self._sharding.around_forward():
                 output = self.module(*args, **kwargs)
-        if self.reducer.armed and "torch._dynamo" in sys.modules:
-            _forward_end_eagerly(self._logging)  # a clock read: not graph material
-        elif self.reducer.armed:
-            self._logging.forward_end()
+        if self.reducer.armed:
+            if "torch._dynamo" in sys.modules and torch.compiler.is_compiling():
+                _forward_end_eagerly(self._logging)  # a clock read: not graph material
+            else:
+                self._logging.forward_end()
         return output
 
     def _before_forward(self) -> None:
