@@ -2,12 +2,12 @@
 
 Trains the main job (``ddpkit train --exact`` defaults: digits, MLP, global batch
 ``--batch-size``) on one process for ``--epochs`` and, at every step, compares three
-means of the same V per-shard float32 gradients with the float64 mean of those float32
+means of the same V per-slice float32 gradients with the float64 mean of those float32
 terms (exact to 2^-53, the reference):
 
 * ``exact``   - exact mode's result (``ExactMean``: fixed point, one rounding);
-* ``float32`` - ``sum(rows) / V`` in float32, in shard order (one process's plain sum);
-* ``float32, pairs`` - the same sum grouped as 2 ranks would (even and odd shards).
+* ``float32`` - ``sum(rows) / V`` in float32, in slice order (one process's plain sum);
+* ``float32, pairs`` - the same sum grouped as 2 ranks would (even and odd slices).
 
 Reported: the largest absolute difference over all elements and steps, and the largest
 difference relative to ``max_k |g_k|`` per element (the scale of the terms).
@@ -62,7 +62,7 @@ def worker(world, batch_size: int, epochs: int) -> dict:
     for _ in range(epochs):
         trainer.train_epoch()
         trainer.loop.epoch += 1
-    return {"steps": trainer.loop.step, "virtual_shards": cfg.virtual_shards(),
+    return {"steps": trainer.loop.step, "slices": cfg.slice_count(),
             "worst": worst}
 
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=3)
     args = p.parse_args(argv)
     (result,) = ddpkit.spawn(worker, nprocs=1, args=(args.batch_size, args.epochs))
-    print(f"main job, exact mode, {result['virtual_shards']} virtual shards, "
+    print(f"main job, exact mode, {result['slices']} slices, "
           f"{result['steps']} steps: per-step gradient mean vs the float64 mean")
     print(f"{'mean':16}{'max |diff|':>14}{'max |diff| / max_k |g_k|':>28}")
     for name, (absolute, relative) in result["worst"].items():

@@ -3,7 +3,7 @@ stopped at one world size and continued at another, each against one process.
 
 Every run is a real launch (``ddpkit train --exact``, its own processes and run
 directory); the weights compared are the runs' ``model.pt``, the held-out checks their
-``metrics.jsonl``. Two jobs, global batch 96 (12 virtual shards):
+``metrics.jsonl``. Two jobs, global batch 96 (12 slices):
 
 * ``main``    - the main job: digits, the default MLP (``--epochs`` epochs);
 * ``dropout`` - a user's model with dropout (``tests/user_recipe.py``'s
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"dropout, finished at W=2 after 1 epoch, --epochs {args.epochs} at W=3",
                      _compare(run, ref)))
 
-    print(f"\nexact mode, `ddpkit train`, digits, global batch 96 (12 virtual shards), "
+    print(f"\nexact mode, `ddpkit train`, digits, global batch 96 (12 slices), "
           f"{args.epochs} epochs; against W=1 of the same job")
     print(f"{'run':66}{'max |dw|':>11}{'equal':>7}{'test acc diff':>15}{'final acc':>11}")
     for name, r in rows:

@@ -12,20 +12,20 @@ Variants per model and batch, interleaved round by round in a fresh random order
 same on every rank), every round on fresh random batches:
 
 * ``default``  - ``DataParallel(model)``: one forward/backward of the local batch;
-* ``exact``    - ``DataParallel(model, exact=True, virtual_shards=V)``, V the default
-  for the global batch (``ddpkit.shard_count.default_virtual_shards``) or ``--shards``;
-* ``exact_1pr`` - exact mode with V = W: one shard per rank, so the gap to ``default``
+* ``exact``    - ``DataParallel(model, exact=True, slices=V)``, V the default
+  for the global batch (``ddpkit.slice_count.default_slices``) or ``--slices``;
+* ``exact_1pr`` - exact mode with V = W: one slice per rank, so the gap to ``default``
   is the exact sum alone, and the gap to ``exact`` the cost of more, smaller passes;
 * ``exact_base``, ``exact_1pr_base`` (with ``--baseline-src DIR``) - the same two, with
   the exact-mode reducer and sum of another ddpkit source tree (DIR: its ``src``, e.g.
   of a ``git worktree`` of an older commit), to compare two implementations in the
   same processes.
 
-A step is ``zero_grad`` + forward/backward (per shard in exact mode, mean loss per
-shard) + ``SGD.step``, each variant with the process-wide settings its mode has
+A step is ``zero_grad`` + forward/backward (per slice in exact mode, mean loss per
+slice) + ``SGD.step``, each variant with the process-wide settings its mode has
 (exact mode: torch's deterministic algorithms on); reported is the median on rank 0.
 Exact steps are also taken apart (medians per step, rank 0): the sum's phases (local
-max, the MAX all-reduce, encode, the SUM all-reduce, decode) and the rest (the shards'
+max, the MAX all-reduce, encode, the SUM all-reduce, decode) and the rest (the slices'
 forward and backward, zero_grad and the SGD step).
 
 The workers run with the heap settings ``ddpkit launch`` and ``ddpkit train`` give
@@ -57,7 +57,7 @@ from ddpkit.bench.output import write_json
 from ddpkit.host_malloc import worker_malloc_env
 from ddpkit.parallel.exact_reducer import ExactReducer
 from ddpkit.parallel.exact_sum import ExactMean
-from ddpkit.shard_count import default_virtual_shards
+from ddpkit.slice_count import default_slices
 from ddpkit.train.models import MLP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -95,13 +95,13 @@ def _load_baseline(src: str):
     return modules["exact_reducer"], modules["exact_sum"]
 
 
-def _baseline_model(baseline, module: nn.Module, shards: int) -> ddpkit.DataParallel:
+def _baseline_model(baseline, module: nn.Module, slices: int) -> ddpkit.DataParallel:
     """An exact DataParallel whose reducer is the baseline tree's."""
-    model = ddpkit.DataParallel(module, exact=True, virtual_shards=shards)
+    model = ddpkit.DataParallel(module, exact=True, slices=slices)
     model.reducer.remove_hooks()
     model.reducer.close()
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    baseline.attach(model, module, trainable, None, virtual_shards=shards, comm="auto",
+    baseline.attach(model, module, trainable, None, slices=slices, comm="auto",
                     comm_hook=None, find_unused_parameters=False)
     return model
 
@@ -128,10 +128,10 @@ def _main_model() -> nn.Module:
 
 def _cases(opts: dict) -> list[tuple[str, int, int, int]]:
     """(model, global batch, input width, V) per case."""
-    cases = [("main", opts["main_batch"], 64, opts["shards"] or
-              default_virtual_shards(opts["main_batch"]))]
+    cases = [("main", opts["main_batch"], 64, opts["slices"] or
+              default_slices(opts["main_batch"]))]
     for b in opts["mlp_batches"]:
-        cases.append(("mlp8m", b, 1024, opts["shards"] or default_virtual_shards(b)))
+        cases.append(("mlp8m", b, 1024, opts["slices"] or default_slices(b)))
     return cases
 
 
@@ -150,17 +150,17 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
         variants = [("default", None), ("exact", v), ("exact_1pr", W)]
         if baseline is not None:
             variants += [("exact_base", v), ("exact_1pr_base", W)]
-        for variant, shards in variants:
-            if shards is not None and (batch % shards or shards % W):
+        for variant, slices in variants:
+            if slices is not None and (batch % slices or slices % W):
                 continue
             module = copy.deepcopy(base)
-            model = (ddpkit.DataParallel(module) if shards is None else
-                     _baseline_model(baseline, module, shards) if variant.endswith("_base")
-                     else ddpkit.DataParallel(module, exact=True, virtual_shards=shards))
+            model = (ddpkit.DataParallel(module) if slices is None else
+                     _baseline_model(baseline, module, slices) if variant.endswith("_base")
+                     else ddpkit.DataParallel(module, exact=True, slices=slices))
             torch.set_num_threads(1)  # exact mode pins 1 too; the default the same
             runs[(model_name, batch, variant)] = {
                 "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.01),
-                "shards": shards, "width": width, "batch": batch, "times": [],
+                "slices": slices, "width": width, "batch": batch, "times": [],
                 "phases": collections.defaultdict(list)}
     keys = list(runs)
     for round_index in range(opts["rounds"]):
@@ -177,23 +177,23 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
             steps = opts["steps"] + (opts["warmup"] if round_index == 0 else 0)
             # Process-wide settings as each mode has them: exact mode turns on torch's
             # deterministic algorithms (building an exact engine did it for everyone).
-            torch.use_deterministic_algorithms(r["shards"] is not None, warn_only=True)
+            torch.use_deterministic_algorithms(r["slices"] is not None, warn_only=True)
             for i in range(steps):
                 dist.barrier()
                 _spent.clear()
                 start = time.perf_counter()
                 r["opt"].zero_grad()
                 model = r["model"]
-                if r["shards"] is None:
+                if r["slices"] is None:
                     F.cross_entropy(model(x), y).backward()
                 else:
-                    for xs, ys in model.shards(x, y):
+                    for xs, ys in model.slices(x, y):
                         F.cross_entropy(model(xs), ys).backward()
                 r["opt"].step()
                 elapsed = time.perf_counter() - start
                 if round_index > 0 or i >= opts["warmup"]:
                     r["times"].append(elapsed)
-                    if r["shards"] is not None:
+                    if r["slices"] is not None:
                         for phase in PHASES:
                             r["phases"][phase].append(_spent.get(phase, 0.0))
         if rank == 0:
@@ -202,7 +202,7 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
     for (model_name, batch, variant), r in runs.items():
         params = [p.detach() for p in r["model"].module.parameters()]
         out[f"{model_name}|{batch}|{variant}"] = {
-            "shards": r["shards"], "times": r["times"],
+            "slices": r["slices"], "times": r["times"],
             "phases": {k: list(v) for k, v in r["phases"].items()},
             "checksum": float(sum(p.double().sum() for p in params))}
     return out
@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--main-batch", type=int, default=128, help="global batch, main job's model")
     p.add_argument("--mlp-batches", default="128,1024",
                    help="global batches for the 8.4M-parameter MLP (comma-separated)")
-    p.add_argument("--shards", type=int, default=None,
-                   help="virtual shards for every exact case (default: each batch's default)")
+    p.add_argument("--slices", type=int, default=None,
+                   help="slices for every exact case (default: each batch's default)")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
     p.add_argument("--warmup", type=int, default=2)
@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     opts = {"main_batch": args.main_batch,
             "mlp_batches": [int(b) for b in args.mlp_batches.split(",") if b],
-            "shards": args.shards, "rounds": args.rounds, "steps": args.steps,
+            "slices": args.slices, "rounds": args.rounds, "steps": args.steps,
             "warmup": args.warmup,
             "baseline_src": os.path.abspath(args.baseline_src) if args.baseline_src else None}
     print(f"exact_step: {args.world_size} ranks gloo, 1 thread/rank, cases "
@@ -248,16 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         ratio = ms / defaults[f"{model_name}|{batch}"]
         phases = {k: statistics.median(v) * 1e3 for k, v in r["phases"].items()}
         if phases:
-            # the rest: the shards' forward/backward, zero_grad, SGD
+            # the rest: the slices' forward/backward, zero_grad, SGD
             phases["rest"] = ms - sum(phases.values())
         same = len({res[key]["checksum"] for res in results}) == 1
         rows.append({"model": model_name, "global_batch": int(batch), "variant": variant,
-                     "virtual_shards": r["shards"], "median_ms": round(ms, 3),
+                     "slices": r["slices"], "median_ms": round(ms, 3),
                      "vs_default": round(ratio, 3), "replicas_equal": same,
                      "phases_ms": {k: round(v, 3) for k, v in phases.items()},
                      "samples": len(r["times"])})
         parts = "  ".join(f"{k} {v:.2f}" for k, v in phases.items())
-        print(f"{model_name:7}{batch:>7}{variant:>15}{r['shards'] or '-':>4}{ms:11.2f}"
+        print(f"{model_name:7}{batch:>7}{variant:>15}{r['slices'] or '-':>4}{ms:11.2f}"
               f"{ratio:11.3f}{same!s:>13}   {parts}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
           f"({os.cpu_count()} cores)")

@@ -145,7 +145,7 @@ SLOW = {
                       "test_stopped_at_two_ranks_and_continued_on_one_ends_with_the_same_bits",
                       "test_verify_exact_finds_zero_difference_with_dropout_and_catches_per_rank_streams",
                       "test_run_with_a_dataloader_continues_at_another_world_size_with_the_same_bits",
-                      "test_shards_that_skip_a_branch_give_the_same_gradients_at_every_world_size"},
+                      "test_slices_that_skip_a_branch_give_the_same_gradients_at_every_world_size"},
     "test_exact_cli.py": {
         "test_sigterm_at_two_ranks_then_resume_at_three_ends_with_one_process_bits"},
     "test_examples.py": {"test_every_collective_under_launch_three_ranks",

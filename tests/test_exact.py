@@ -1,7 +1,7 @@
 """Exact mode on pooled ranks: the same bits at every world size, and across a resume
 that changes it.
 
-Two programs: the main job (``Trainer`` on digits, global batch 96 = 12 virtual shards)
+Two programs: the main job (``Trainer`` on digits, global batch 96 = 12 slices)
 and a user's own loop around ``DataParallel(model, exact=True)`` with dropout. Each
 runs at W = 1 (the reference) and at other world sizes (2 and 3 for the main job, 2, 3
 and 4 for the loop); the final parameters must be ``torch.equal``. The default mode on
@@ -116,17 +116,17 @@ def _users_loop(world, exact: bool, steps: int = 6, comm: str = "auto"):
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x_all, y_all = torch.randn(200, 12, generator=g), torch.randint(0, 4, (200,), generator=g)
-    options = {"exact": True, "virtual_shards": 12, "comm": comm} if exact else {}
+    options = {"exact": True, "slices": 12, "comm": comm} if exact else {}
     model = ddpkit.DataParallel(_DropoutNet(), **options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sampler = ShardSampler(x_all, global_batch_size=48, virtual_shards=12 if exact else None)
+    sampler = ShardSampler(x_all, global_batch_size=48, slices=12 if exact else None)
     done = 0
     while done < steps:
         for batch in sampler.batches():
             x, y = x_all[batch.indices], y_all[batch.indices]
             opt.zero_grad()
             if exact:
-                for xs, ys in model.shards(x, y):
+                for xs, ys in model.slices(x, y):
                     F.cross_entropy(model(xs), ys).backward()
             else:
                 F.cross_entropy(model(x), y).backward()
@@ -164,7 +164,7 @@ def test_stopped_at_two_ranks_and_continued_on_one_ends_with_the_same_bits(pools
     assert [r["step"] for r in stopped] == [3, 3] and stopped[0]["preempted"]
     resumed = pools(1).run(_restoring, _trainer_params, DROPOUT, run, None, True)
     assert resumed[0]["step"] == 8
-    assert any("exact mode draws every random number per shard" in line
+    assert any("exact mode draws every random number per slice" in line
                for line in resumed[0]["log"])
     for r in resumed:
         assert _same(r["params"], uninterrupted[0]["params"])
@@ -190,7 +190,7 @@ def _run_loop(world, directory, stop_after=None):
         for _ in run.epochs(2):
             for x, y in run.batches(loader):
                 opt.zero_grad()
-                for xs, ys in model.shards(x, y):
+                for xs, ys in model.slices(x, y):
                     F.cross_entropy(model(xs), ys).backward()
                 opt.step()
                 run.step_done()
@@ -199,13 +199,13 @@ def _run_loop(world, directory, stop_after=None):
             if run.step == stop_after:
                 break
     return {"params": [p.detach().clone() for p in model.module.parameters()],
-            "step": run.step, "shards": model.exact.virtual_shards}
+            "step": run.step, "slices": model.exact.slice_count}
 
 
 def test_run_with_a_dataloader_continues_at_another_world_size_with_the_same_bits(pools,
                                                                                   tmp_path):
     full = pools(2).run(_restoring, _run_loop, str(tmp_path / "full"))
-    assert full[0]["shards"] == 12 and full[0]["step"] == 10  # 24 -> 12 shards; 5 steps/epoch
+    assert full[0]["slices"] == 12 and full[0]["step"] == 10  # 24 -> 12 slices; 5 steps/epoch
     pools(2).run(_restoring, _run_loop, str(tmp_path / "run"), 3)
     (resumed,) = pools(1).run(_restoring, _run_loop, str(tmp_path / "run"))
     assert resumed["step"] == 10
@@ -224,21 +224,21 @@ def _unused_parameter(world):
             return self.used(x)
 
     torch.manual_seed(0)
-    model = ddpkit.DataParallel(Net(), exact=True, virtual_shards=4,
+    model = ddpkit.DataParallel(Net(), exact=True, slices=4,
                                 find_unused_parameters=True)
-    for xs in model.shards(torch.randn(8 // world.world_size, 4)):
+    for xs in model.slices(torch.randn(8 // world.world_size, 4)):
         model(xs).square().sum().backward()
     return [p.grad is None for p in model.module.parameters()]
 
 
-def test_a_parameter_unused_on_every_shard_keeps_no_gradient(pools):
+def test_a_parameter_unused_on_every_slice_keeps_no_gradient(pools):
     assert pools(2).run(_restoring, _unused_parameter)[0] == [False, False, True, True]
 
 
-def _some_shards_skip_a_branch(world):
+def _some_slices_skip_a_branch(world):
     """One step's gradients of a model with large parameters (summed where autograd
     left them) and small ones (copied together), one large and one small parameter
-    used only by the shards whose first input is positive."""
+    used only by the slices whose first input is positive."""
     import ddpkit
 
     class Net(nn.Module):
@@ -254,24 +254,24 @@ def _some_shards_skip_a_branch(world):
             return self.head(torch.tanh(h))
 
     torch.manual_seed(0)
-    model = ddpkit.DataParallel(Net(), exact=True, virtual_shards=4,
+    model = ddpkit.DataParallel(Net(), exact=True, slices=4,
                                 find_unused_parameters=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(1))
-    for branch in ([1.0, -1, 1, -1], [-1.0, 1, -1, 1]):  # shards 0, 2; then 1, 3
+    for branch in ([1.0, -1, 1, -1], [-1.0, 1, -1, 1]):  # slices 0, 2; then 1, 3
         x[:, 0] = torch.tensor(branch * 2)
         opt.zero_grad()
-        for xs in model.shards(x[world.rank::world.world_size]):
+        for xs in model.slices(x[world.rank::world.world_size]):
             model(xs).square().mean().backward()
         opt.step()
     return [t.detach().clone() for p in model.module.parameters() for t in (p, p.grad)]
 
 
-def test_shards_that_skip_a_branch_give_the_same_gradients_at_every_world_size(pools):
-    one = pools(1).run(_restoring, _some_shards_skip_a_branch)[0]
+def test_slices_that_skip_a_branch_give_the_same_gradients_at_every_world_size(pools):
+    one = pools(1).run(_restoring, _some_slices_skip_a_branch)[0]
     assert one[5].abs().sum() > 0  # the side branch has a gradient
     for w in (2, 4):
-        got = pools(w).run(_restoring, _some_shards_skip_a_branch)
+        got = pools(w).run(_restoring, _some_slices_skip_a_branch)
         assert all(_same(g, one) for g in got), w
 
 
@@ -281,7 +281,7 @@ def _verify(world, cfg_dict, per_rank_seed=False):
     from ddpkit.train.verify import verify
 
     def wrap(module, engine, device):  # a broken engine: each rank its own streams
-        model = ddpkit.DataParallel(module, exact=True, virtual_shards=12)
+        model = ddpkit.DataParallel(module, exact=True, slices=12)
         model.exact.seed += world.rank
         return model
 
@@ -316,27 +316,27 @@ def _refusals(world):
     x, y = torch.randn(12, 12), torch.randint(0, 4, (12,))
     out = {}
     out["batchnorm"] = message(lambda: ddpkit.DataParallel(
-        nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8)), exact=True, virtual_shards=12))
-    model = ddpkit.DataParallel(_DropoutNet(), exact=True, virtual_shards=12)
+        nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8)), exact=True, slices=12))
+    model = ddpkit.DataParallel(_DropoutNet(), exact=True, slices=12)
     out["outside"] = message(lambda: F.cross_entropy(model(x), y).backward())
 
     def no_sync_inside():
-        for xs, _ys in model.shards(x, y):
+        for xs, _ys in model.slices(x, y):
             with model.no_sync():
                 model(xs)
 
     out["no_sync"] = message(no_sync_inside)
 
     def one_step():
-        for xs, ys in model.shards(x, y):
+        for xs, ys in model.slices(x, y):
             F.cross_entropy(model(xs), ys).backward()
 
     one_step()
     out["zero_grad"] = message(one_step)
-    fresh = ddpkit.DataParallel(_DropoutNet(), exact=True, virtual_shards=12)
+    fresh = ddpkit.DataParallel(_DropoutNet(), exact=True, slices=12)
     out["hook"] = message(lambda: fresh.register_comm_hook(None, lambda s, b: None))
     out["shard"] = message(lambda: ddpkit.DataParallel(_DropoutNet(), exact=True,
-                                                       virtual_shards=12, shard="optimizer"))
+                                                       slices=12, shard="optimizer"))
     plain = ddpkit.DataParallel(_DropoutNet())
     out["run"] = message(lambda: ddpkit.Run(None, model=plain, exact=True))
 
@@ -345,7 +345,7 @@ def _refusals(world):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with ddpkit.Run(tmp, model=model, optimizer=opt, exact=True):
             pass  # writes the final checkpoint of step 0
-        other = ddpkit.DataParallel(_DropoutNet(), exact=True, virtual_shards=6)
+        other = ddpkit.DataParallel(_DropoutNet(), exact=True, slices=6)
         out["count"] = message(lambda: ddpkit.Run(tmp, model=other, exact=True).__enter__())
         plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
         with ddpkit.Run(tmp + "/default", model=plain, optimizer=plain_opt):
@@ -359,16 +359,16 @@ def test_misuse_of_exact_mode_is_one_line_each(pools):
     out = pools(1).run(_restoring, _refusals)[0]
     expected = {
         "batchnorm": "exact mode: BatchNorm1d '1' updates running statistics",
-        "outside": "exact mode: run each training forward/backward inside the shard loop",
+        "outside": "exact mode: run each training forward/backward inside the slice loop",
         "no_sync": "exact mode has no no_sync()",
-        "zero_grad": "still has a gradient when a step's shards begin; call "
+        "zero_grad": "still has a gradient when a step's slices begin; call "
                      "optimizer.zero_grad()",
         "hook": "exact mode sums gradients itself; comm hooks do not apply",
         "shard": "exact mode sums whole gradients on every rank; shard='optimizer' does not "
                  "combine with it",
         "run": "Run(exact=True) trains a DataParallel(model, exact=True)",
-        "count": "was written with 12 virtual shards, this run has 6; an exact run resumes "
-                 "with the same count (--virtual-shards 12)",
+        "count": "was written with 12 slices, this run has 6; an exact run resumes "
+                 "with the same count (--slices 12)",
         "default": "was written without exact mode",
     }
     for key, text in expected.items():

@@ -2,7 +2,7 @@
 at another, it ends with the bits of an uninterrupted run on one process.
 
 One small job with dropout (a user's model, synthetic data: 300 samples, global batch
-96 = 12 virtual shards, 4 steps per epoch, the last one padded; 2 epochs; a checkpoint
+96 = 12 slices, 4 steps per epoch, the last one padded; 2 epochs; a checkpoint
 every 2 steps). The uninterrupted reference runs the same configuration through the
 Trainer on one pooled rank (no launch); the interrupted run must end with its
 parameters, ``torch.equal``, its held-out accuracy, and its sample-id log must show
@@ -103,20 +103,20 @@ def test_sigterm_at_two_ranks_then_resume_at_three_ends_with_one_process_bits(re
     _assert_test_metrics_equal(run, reference)
     _assert_same_samples_every_step(run, reference)
 
-    # The shard count is part of the run: a resume with another one is refused.
-    code, text = _finish(_start("--resume", str(run), "--virtual-shards", "6", env=_env()))
+    # The slice count is part of the run: a resume with another one is refused.
+    code, text = _finish(_start("--resume", str(run), "--slices", "6", env=_env()))
     assert code == 2
     lines = [line for line in text.splitlines() if line.strip()]
     assert lines == [f"ddpkit train: error: --resume {run}: its checkpoint "
                      "step_000000008.pt was written with other settings "
-                     "(train.virtual_shards: 12 -> 6); leave those options out to resume, "
+                     "(train.slices: 12 -> 6); leave those options out to resume, "
                      "or start a new run"], text
 
 
-def test_exact_mode_on_a_world_size_its_shards_do_not_serve_is_one_line():
+def test_exact_mode_on_a_world_size_its_slices_do_not_serve_is_one_line():
     code, text = _finish(_start(*JOB, "--nproc-per-node", "5", "--batch-size", "120",
                                 env=_env()))
     assert code == 2
-    assert text.strip() == ("ddpkit train: error: exact mode with 12 virtual shards runs on "
+    assert text.strip() == ("ddpkit train: error: exact mode with 12 slices runs on "
                             "1, 2, 3, 4, 6, 12 processes, not 5: choose one of those, or a "
-                            "shard count that 5 divides (--virtual-shards)"), text
+                            "slice count that 5 divides (--slices)"), text

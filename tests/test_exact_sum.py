@@ -1,5 +1,5 @@
-"""Exact mode's arithmetic, in one process: the reproducible mean, virtual shards,
-shard random streams.
+"""Exact mode's arithmetic, in one process: the reproducible mean, slices,
+slice random streams.
 
 The mean is checked against the float64 mean of the same float32 terms: within its
 documented bound, never further off than float32 summation, and the same bits for
@@ -15,9 +15,9 @@ import torch
 
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.exact_slices import owned_slices, slice_positions, slice_rng, slice_seed
 from ddpkit.parallel.exact_sum import ExactMean, fixed_point_bits
-from ddpkit.parallel.virtual_shards import local_slices, owned_shards, shard_rng, shard_seed
-from ddpkit.shard_count import check_virtual_shards, default_virtual_shards, world_sizes
+from ddpkit.slice_count import check_slices, default_slices, world_sizes
 
 
 def _terms(v: int, n: int, seed: int = 0) -> torch.Tensor:
@@ -93,9 +93,9 @@ def test_same_bits_for_every_grouping_and_order():
     reference = _bits(ExactMean(v, terms.shape[1], v).mean(terms, torch.empty(4_000)))
     rng = random.Random(1)
     for world in (2, 3, 4, 6, 12):
-        shards = list(range(v))
-        rng.shuffle(shards)
-        groups = [shards[r::world] for r in range(world)]
+        slices = list(range(v))
+        rng.shuffle(slices)
+        groups = [slices[r::world] for r in range(world)]
         order = rng.sample(range(world), world)
         assert torch.equal(_bits(_grouped_mean(terms, groups, order)), reference), world
     # The plain float32 sum of the same rows does depend on the grouping.
@@ -105,8 +105,8 @@ def test_same_bits_for_every_grouping_and_order():
 
 
 def test_rows_of_per_parameter_gradients_give_the_bits_of_one_tensor():
-    """A shard's gradients summed where autograd left them (one tensor per parameter,
-    missing for a parameter the shard did not use) or stacked give the bits of the same
+    """A slice's gradients summed where autograd left them (one tensor per parameter,
+    missing for a parameter the slice did not use) or stacked give the bits of the same
     terms copied into rows with zeros, for every grouping; segments span several
     pieces."""
     v, segments = 8, [5, 70_001, 1, 3_000]
@@ -164,78 +164,78 @@ def test_extra_values_ride_along_in_the_max():
     assert flags.tolist() == [1.0, 1.0, 0.0]
 
 
-def test_default_virtual_shards_serve_the_most_world_sizes():
-    assert default_virtual_shards(96) == 12
+def test_default_slices_serve_the_most_world_sizes():
+    assert default_slices(96) == 12
     assert world_sizes(12) == [1, 2, 3, 4, 6, 12]
-    assert default_virtual_shards(128) == 8
-    assert default_virtual_shards(100) == 10
-    assert default_virtual_shards(300) == 12
-    assert default_virtual_shards(7) == 7
+    assert default_slices(128) == 8
+    assert default_slices(100) == 10
+    assert default_slices(300) == 12
+    assert default_slices(7) == 7
     assert fixed_point_bits(12) == 49 and fixed_point_bits(1) == 53
 
 
 @pytest.mark.parametrize(("v", "batch", "world", "message"), [
-    (5, 96, None, "5 virtual shards do not divide the global batch of 96; use a divisor of "
+    (5, 96, None, "5 slices do not divide the global batch of 96; use a divisor of "
                   "it (e.g. 12)"),
-    (12, 96, 5, "exact mode with 12 virtual shards runs on 1, 2, 3, 4, 6, 12 processes, "
+    (12, 96, 5, "exact mode with 12 slices runs on 1, 2, 3, 4, 6, 12 processes, "
                 "not 5"),
-    (0, 96, 2, "virtual shards must be a positive integer, got 0"),
+    (0, 96, 2, "slices must be a positive integer, got 0"),
 ])
-def test_virtual_shard_mistakes_are_one_line(v, batch, world, message):
+def test_slice_mistakes_are_one_line(v, batch, world, message):
     with pytest.raises(ConfigError) as err:
-        check_virtual_shards(v, batch, world)
+        check_slices(v, batch, world)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
-def test_each_shard_holds_the_same_samples_at_every_world_size(drop_last):
+def test_each_slice_holds_the_same_samples_at_every_world_size(drop_last):
     """Over two epochs of a batch that does not divide the data (a padded last batch),
-    shard k of every step holds the same samples in the same order for W = 1..4."""
+    slice k of every step holds the same samples in the same order for W = 1..4."""
     v, batch, n = 12, 96, 250
 
-    def shards_by_step(world):
+    def slices_by_step(world):
         out = {}
         for rank in range(world):
             sampler = ShardSampler(n, global_batch_size=batch, num_replicas=world, rank=rank,
-                                   seed=3, drop_last=drop_last, virtual_shards=v)
+                                   seed=3, drop_last=drop_last, slices=v)
             for step, b in enumerate(list(sampler.batches()) + list(sampler.batches())):
-                parts = local_slices(len(b.indices), v, world)
-                for k, part in zip(owned_shards(rank, world, v), parts, strict=True):
+                parts = slice_positions(len(b.indices), v, world)
+                for k, part in zip(owned_slices(rank, world, v), parts, strict=True):
                     mine = b.indices[part]
                     real = len([j for j in range(len(b.indices))[part] if j < b.num_real])
                     out[(step, k)] = (mine, real, b.global_num_real)
         return out
 
-    one = shards_by_step(1)
-    assert len({len(s[0]) for key, s in one.items() if key[0] == 2}) == 1  # equal shards
+    one = slices_by_step(1)
+    assert len({len(s[0]) for key, s in one.items() if key[0] == 2}) == 1  # equal slices
     for world in (2, 3, 4):
-        assert shards_by_step(world) == one
+        assert slices_by_step(world) == one
 
 
-def test_sampler_refuses_shards_that_do_not_fit():
+def test_sampler_refuses_slices_that_do_not_fit():
     with pytest.raises(ConfigError, match="must divide the global batch"):
-        ShardSampler(100, global_batch_size=96, num_replicas=2, rank=0, virtual_shards=5)
+        ShardSampler(100, global_batch_size=96, num_replicas=2, rank=0, slices=5)
     with pytest.raises(ConfigError, match="multiple of the world size"):
-        ShardSampler(100, global_batch_size=96, num_replicas=8, rank=0, virtual_shards=12)
+        ShardSampler(100, global_batch_size=96, num_replicas=8, rank=0, slices=12)
 
 
-def test_a_local_batch_that_does_not_cut_into_its_shards_is_one_line():
-    with pytest.raises(ConfigError, match=r"ShardSampler\(\.\.\., virtual_shards=12\)"):
-        local_slices(25, 12, 2)
+def test_a_local_batch_that_does_not_cut_into_its_slices_is_one_line():
+    with pytest.raises(ConfigError, match=r"ShardSampler\(\.\.\., slices=12\)"):
+        slice_positions(25, 12, 2)
 
 
-def test_shard_streams_depend_on_seed_step_and_shard_only():
-    seeds = {shard_seed(s, t, k) for s in range(3) for t in range(5) for k in range(12)}
+def test_slice_streams_depend_on_seed_step_and_slice_only():
+    seeds = {slice_seed(s, t, k) for s in range(3) for t in range(5) for k in range(12)}
     assert len(seeds) == 3 * 5 * 12
     torch.manual_seed(99)
     before = torch.get_rng_state()
-    with shard_rng(1, 2, 3) as seed:
+    with slice_rng(1, 2, 3) as seed:
         first = torch.rand(5)
     assert torch.equal(torch.get_rng_state(), before)  # the caller's stream is untouched
     torch.rand(7)  # whatever the caller drew meanwhile
-    with shard_rng(1, 2, 3):
+    with slice_rng(1, 2, 3):
         again = torch.rand(5)
-    with shard_rng(1, 2, 4):
+    with slice_rng(1, 2, 4):
         other = torch.rand(5)
     assert torch.equal(first, again) and not torch.equal(first, other)
-    assert seed == shard_seed(1, 2, 3)
+    assert seed == slice_seed(1, 2, 3)

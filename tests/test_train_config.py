@@ -71,7 +71,7 @@ def test_run_dirs_are_never_reused(tmp_path):
 
 
 # Flags valid only together with another one.
-NEEDS = {"--virtual-shards": ["--exact"]}
+NEEDS = {"--slices": ["--exact"]}
 
 
 def _flag_value(f):
@@ -165,12 +165,12 @@ def test_the_configs_name_tables_are_the_libraries_own():
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--exact", "--grad-accum", "2"],
-     "--grad-accum does not combine with --exact: exact mode accumulates over virtual shards; "
-     "use a --batch-size N times larger and --virtual-shards (the same samples per step, "
+     "--grad-accum does not combine with --exact: exact mode accumulates over slices; "
+     "use a --batch-size N times larger and --slices (the same samples per step, "
      "summed exactly)"),
-    (["--virtual-shards", "4"], "--virtual-shards is exact mode's: add --exact"),
-    (["--exact", "--virtual-shards", "5"],
-     "5 virtual shards do not divide the global batch of 128; use a divisor of it (e.g. 8)"),
+    (["--slices", "4"], "--slices is exact mode's: add --exact"),
+    (["--exact", "--slices", "5"],
+     "5 slices do not divide the global batch of 128; use a divisor of it (e.g. 8)"),
     (["--exact", "--engine", "torch"], "--exact is ddpkit's engine's: leave out --engine torch"),
     (["--exact", "--shard", "optimizer"],
      "--shard 'optimizer' does not combine with --exact (exact mode sums whole gradients on "
@@ -186,3 +186,28 @@ def test_exact_mode_mistakes_are_one_line(argv, message):
     with pytest.raises(ConfigError) as err:
         config_from_args(p.parse_args(argv))
     assert str(err.value) == message
+
+
+def test_settings_saved_under_the_old_name_of_slices_still_load(tmp_path):
+    """Runs and checkpoints written when exact mode's unit was "virtual shards" keep
+    resuming: the saved key maps to ``slices`` (config files, saved run settings, a
+    checkpoint's identity and its exact-mode state)."""
+    import json
+
+    from ddpkit.slice_count import saved_slice_count
+    from ddpkit.train.resume import refuse_changed_config
+
+    old_file = tmp_path / "old.toml"
+    old_file.write_text("[train]\nexact = true\nvirtual_shards = 6\nbatch_size = 96\n")
+    cfg = resolve({}, old_file)
+    assert cfg.train.slices == 6 and cfg.slice_count() == 6
+
+    old_identity = cfg.identity()
+    old_identity["train"]["virtual_shards"] = old_identity["train"].pop("slices")
+    refuse_changed_config(json.dumps(old_identity), cfg, "old checkpoint")  # no error
+    old_identity["train"]["virtual_shards"] = 12
+    with pytest.raises(Exception, match=r"train\.slices: 12 -> 6"):
+        refuse_changed_config(old_identity, cfg, "old checkpoint")
+
+    assert saved_slice_count({"virtual_shards": 8, "step": 3, "seed": 1}) == 8
+    assert saved_slice_count({"slices": 4, "step": 3, "seed": 1}) == 4

@@ -18,6 +18,7 @@ from ddpkit.errors import DdpkitError
 from ddpkit.log import get_logger
 from ddpkit.parallel.exact_reducer import ExactReducer
 from ddpkit.parallel.sharded_state import is_sharded_state
+from ddpkit.slice_count import saved_slice_count
 
 log = get_logger(__name__)
 
@@ -36,11 +37,11 @@ def _restore_exact(state: Mapping[str, Any], exact: ExactReducer, source: str) -
         raise CheckpointError(f"{source} was written without exact mode; an exact run "
                               "continues only exact checkpoints (resume it without exact "
                               "mode, or start a new run)")
-    ours, theirs = exact.virtual_shards, int(saved["virtual_shards"])
+    ours, theirs = exact.slice_count, saved_slice_count(saved)
     if ours is not None and ours != theirs:
-        raise CheckpointError(f"{source} was written with {theirs} virtual shards, this run "
+        raise CheckpointError(f"{source} was written with {theirs} slices, this run "
                               f"has {ours}; an exact run resumes with the same count "
-                              f"(--virtual-shards {theirs})")
+                              f"(--slices {theirs})")
     exact.load_state_dict(saved)
 
 
@@ -120,7 +121,7 @@ def collect_state(
         state["config"] = _config_json(config)
         state["fingerprint"] = config_fingerprint(config)
     exact = _exact_of(model)
-    if exact is not None:  # shard count, step and seed of the shards' random streams
+    if exact is not None:  # slice count, step and seed of the slices' random streams
         state["exact"] = exact.state_dict()
     if extra:
         state["extra"] = dict(extra)
@@ -145,7 +146,7 @@ def restore_state(
     RNG streams are restored per rank when the world size is unchanged; otherwise they
     are left alone (with a warning) since the ranks they belonged to no longer exist.
     In exact mode (``model`` a ``DataParallel(exact=True)``) the state must come from
-    an exact run with the same virtual-shard count (else one CheckpointError line),
+    an exact run with the same slice count (else one CheckpointError line),
     and another world size continues the run exactly.
     Returns ``{"step", "epoch", "world_size", "rng_restored"}``.
     """
@@ -189,7 +190,7 @@ def restore_state(
             rng_restored = True
         elif exact is not None:
             log.info(f"{source} was written by {saved_world} ranks, this run has "
-                     f"{_world_size()}: exact mode draws every random number per shard, "
+                     f"{_world_size()}: exact mode draws every random number per slice, "
                      "so the run continues bit for bit")
         else:
             log.warning(

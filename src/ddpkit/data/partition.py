@@ -17,7 +17,7 @@ once with a seeded ``random.Random`` and cut them into fractional partitions; ``
   from the start of the order, so every rank runs the same number of steps (no rank
   waits forever in a collective). Each batch says how many of its entries are real, so
   metrics and the loss never count a padded sample. ``drop_last=True`` instead drops the
-  final incomplete global batch. With ``virtual_shards=V`` (exact mode) it is padded to
+  final incomplete global batch. With ``slices=V`` (exact mode) it is padded to
   a multiple of V instead, so the batch cuts into V equal shards whatever the world
   size (W divides V).
 * **New order every epoch, automatically.** The order is a permutation drawn from
@@ -144,7 +144,7 @@ class ShardSampler(Sampler[int]):
         seed: int = 0,
         shuffle: bool = True,
         drop_last: bool = False,
-        virtual_shards: int | None = None,
+        slices: int | None = None,
     ):
         self.num_samples = dataset if isinstance(dataset, int) else len(dataset)
         if self.num_samples < 1:
@@ -166,9 +166,9 @@ class ShardSampler(Sampler[int]):
         self.seed = int(seed)
         self.shuffle = shuffle
         self.drop_last = drop_last
-        self.virtual_shards = None
-        if virtual_shards is not None:
-            self.set_virtual_shards(virtual_shards)
+        self.slice_count = None
+        if slices is not None:
+            self.set_slice_count(slices)
         self.end = self.num_samples
         if drop_last:
             self.end = self.num_samples // global_batch_size * global_batch_size
@@ -180,22 +180,22 @@ class ShardSampler(Sampler[int]):
         self.epoch = 0
         self.position = 0  # global positions of this epoch already handed out
 
-    def set_virtual_shards(self, virtual_shards: int) -> None:
-        """Pad the last global batch to a multiple of ``virtual_shards`` (exact mode's
+    def set_slice_count(self, slices: int) -> None:
+        """Pad the last global batch to a multiple of ``slices`` (exact mode's
         shards per step; it must divide the global batch and be a multiple of the
         world size)."""
-        v = virtual_shards
+        v = slices
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"virtual_shards must be a positive integer, got {v!r}")
+            raise ConfigError(f"slices must be a positive integer, got {v!r}")
         if self.global_batch_size % v or v % self.num_replicas:
             raise ConfigError(
-                f"virtual_shards={v} must divide the global batch ({self.global_batch_size}) "
+                f"slices={v} must divide the global batch ({self.global_batch_size}) "
                 f"and be a multiple of the world size ({self.num_replicas})")
-        self.virtual_shards = v
+        self.slice_count = v
 
     @property
     def _pad_multiple(self) -> int:
-        return self.virtual_shards or self.num_replicas
+        return self.slice_count or self.num_replicas
 
     # ----------------------------------------------------------------- order
     def order(self, epoch: int) -> np.ndarray:

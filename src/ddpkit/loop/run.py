@@ -76,7 +76,7 @@ from ddpkit.loop.rank0 import cannot_create, decide_on_rank0
 from ddpkit.loop.sample_ids import SampleLog, truncate_sample_logs
 from ddpkit.parallel.exact_reducer import ExactReducer
 from ddpkit.runtime import DEFAULT_TIMEOUT
-from ddpkit.shard_count import check_virtual_shards, default_virtual_shards
+from ddpkit.slice_count import check_slices, default_slices
 
 log = get_logger(__name__)
 
@@ -119,7 +119,7 @@ class Run:
       :mod:`ddpkit.loop.sample_ids`), for audits and tests.
     * ``exact``: ``model`` is ``DataParallel(..., exact=True)`` (the same bits at any
       world size, docs/exact.md): the run gives the engine and the sampler the same
-      virtual-shard count (the engine's, else the sampler's, else the default for the
+      slice count (the engine's, else the sampler's, else the default for the
       global batch), and its checkpoints resume bit for bit at another world size.
 
     For applications built on it (``ddpkit train``): ``directory=None`` keeps
@@ -496,19 +496,19 @@ class Run:
         return sampler
 
     def _shard_sampler(self, sampler: ShardSampler) -> ShardSampler:
-        """Exact mode: one virtual-shard count for the engine and the sampler (which
+        """Exact mode: one slice count for the engine and the sampler (which
         pads the last batch of an epoch to a multiple of it)."""
         engine = self.exact
         if engine is None:
             return sampler
-        v = (engine.virtual_shards or sampler.virtual_shards
-             or default_virtual_shards(sampler.global_batch_size))
-        if sampler.virtual_shards not in (None, v):
-            raise ConfigError(f"Run(exact=True): the model has {v} virtual shards, the "
-                              f"sampler {sampler.virtual_shards}; give both the same")
-        check_virtual_shards(v, sampler.global_batch_size, engine.world_size)
-        engine.set_virtual_shards(v)
-        sampler.set_virtual_shards(v)
+        v = (engine.slice_count or sampler.slice_count
+             or default_slices(sampler.global_batch_size))
+        if sampler.slice_count not in (None, v):
+            raise ConfigError(f"Run(exact=True): the model has {v} slices, the "
+                              f"sampler {sampler.slice_count}; give both the same")
+        check_slices(v, sampler.global_batch_size, engine.world_size)
+        engine.set_slice_count(v)
+        sampler.set_slice_count(v)
         return sampler
 
     def _open_step_guard(self) -> None:

@@ -23,7 +23,7 @@ from ddpkit.parallel.transport import COMM_CHOICES
 ENGINES = ("ddpkit", "torch")
 _OPTIONS = ("bucket_cap_mb", "broadcast_buffers", "find_unused_parameters", "comm_hook",
             "comm_state", "group", "first_bucket_cap_mb", "initial_bucketing", "comm", "shard",
-            "exact", "virtual_shards")
+            "exact", "slices")
 
 
 def data_parallel(module: nn.Module, engine: str = "ddpkit", **options: Any) -> nn.Module:
@@ -32,7 +32,7 @@ def data_parallel(module: nn.Module, engine: str = "ddpkit", **options: Any) -> 
     Both engines expose ``.module`` and ``.no_sync()`` and work with :func:`ddpkit.join`.
     Options: ``bucket_cap_mb``, ``broadcast_buffers``, ``find_unused_parameters``,
     ``comm_hook``, ``comm_state``, ``group``, ``comm`` (and ``first_bucket_cap_mb``,
-    ``initial_bucketing``, ``shard``, ``exact``, ``virtual_shards`` for ddpkit). ``comm``
+    ``initial_bucketing``, ``shard``, ``exact``, ``slices`` for ddpkit). ``comm``
     under torch's engine: ``"auto"`` and ``"backend"`` leave torch's reducer as it is;
     ``"shm"`` and ``"ring"`` register ddpkit's shared-memory or ring hook on it.
     """
@@ -45,7 +45,7 @@ def data_parallel(module: nn.Module, engine: str = "ddpkit", **options: Any) -> 
             options["forward_sync_buffers"] = options.pop("broadcast_buffers")
         return DataParallel(module, **options)
     if engine == "torch":
-        if options.pop("exact", False) or options.pop("virtual_shards", None) is not None:
+        if options.pop("exact", False) or options.pop("slices", None) is not None:
             raise ConfigError("exact mode is ddpkit's engine's: data_parallel(model, "
                               "engine='ddpkit', exact=True)")
         return _torch_ddp(module, **options)

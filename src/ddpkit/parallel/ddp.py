@@ -142,9 +142,9 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
             of the state (see
             :mod:`ddpkit.parallel.sharding`).
         exact: the same bits at any world size (:mod:`ddpkit.parallel.exact_reducer`):
-            each step is ``virtual_shards`` shards run through :meth:`shards`, their
-            gradients summed exactly; see docs/exact.md.
-        virtual_shards: exact mode's shards per step (the world size must divide it);
+            each step is ``slices`` slices of the batch run through :meth:`slices`,
+            their gradients summed exactly; see docs/exact.md.
+        slices: exact mode's slices per step (the world size must divide it);
             ``ddpkit.Run(..., exact=True)`` sets it from its sampler when left out.
     """
 
@@ -179,7 +179,7 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         comm: str | CommHook = "auto",
         shard: str = "none",
         exact: bool = False,
-        virtual_shards: int | None = None,
+        slices: int | None = None,
     ):
         super().__init__()
         Joinable.__init__(self)
@@ -234,9 +234,9 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         if exact and self.shard != "none":
             raise ConfigError(f"exact mode sums whole gradients on every rank; shard={shard!r} "
                               "does not combine with it (use shard='none')")
-        if virtual_shards is not None and not exact:
-            raise ConfigError("virtual_shards is exact mode's: DataParallel(model, exact=True, "
-                              "virtual_shards=V)")
+        if slices is not None and not exact:
+            raise ConfigError("slices is exact mode's: DataParallel(model, exact=True, "
+                              "slices=V)")
         if self.shard != "none" and comm_hook is not None:
             raise ConfigError(f"shard={shard!r} reduce-scatters the buckets itself; a comm hook "
                               "needs shard='none'")
@@ -269,7 +269,7 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
             broadcast_coalesced([p.detach() for _, p in named_params] + buffers, 0, group)
         if exact:  # sums gradients itself, with its own collectives: no buckets, no transport
             trainable = [(n, p) for n, p in self._named_parameters() if p.requires_grad]
-            exact_reducer.attach(self, module, trainable, group, virtual_shards=virtual_shards,
+            exact_reducer.attach(self, module, trainable, group, slices=slices,
                                  comm=comm, comm_hook=comm_hook,
                                  find_unused_parameters=find_unused_parameters)
             self.sparse = None
@@ -648,17 +648,17 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         """Bytes of tensors the optimizer keeps as state on this rank."""
         return sharded_state.state_bytes(optimizer)
 
-    def shards(self, *tensors: torch.Tensor) -> Iterator[Any]:
-        """Exact mode: this rank's virtual shards of its local batch, one at a time.
+    def slices(self, *tensors: torch.Tensor) -> Iterator[Any]:
+        """Exact mode: this rank's slices of its local batch, one at a time.
 
-        ``for xs, ys in model.shards(x, y):`` yields each of this rank's V/W shards
+        ``for xs, ys in model.slices(x, y):`` yields each of this rank's V/W slices
         (every tensor cut alike along dim 0; one tensor in, one out) inside its own
-        random stream. Run one forward and one backward per shard; when the last
-        shard's backward returns, ``.grad`` holds the exact mean over all V shards.
+        random stream. Run one forward and one backward per slice; when the last
+        slice's backward returns, ``.grad`` holds the exact mean over all V slices.
         """
         if self.exact is None:
-            raise ConfigError("model.shards() is exact mode's: DataParallel(model, exact=True)")
-        return self.exact.shards(tensors)
+            raise ConfigError("model.slices() is exact mode's: DataParallel(model, exact=True)")
+        return self.exact.slices(tensors)
 
     def bucket_layout(self) -> list[list[str]]:
         """Parameter names per gradient bucket, in the order buckets are reduced."""

@@ -1,29 +1,29 @@
 """Exact mode of :class:`ddpkit.DataParallel`: the same bits at any world size.
 
-``DataParallel(model, exact=True, virtual_shards=V)`` trains so that W ranks end with
+``DataParallel(model, exact=True, slices=V)`` trains so that W ranks end with
 the parameters one process would, bit for bit, for every W dividing V. A step is V
-*virtual shards* of the global batch (:mod:`ddpkit.parallel.virtual_shards`); a
+*slices* of the global batch (:mod:`ddpkit.parallel.exact_slices`); a
 rank runs the V/W it owns one after another::
 
-    for xs, ys in model.shards(x, y):          # x, y: this rank's local batch
+    for xs, ys in model.slices(x, y):          # x, y: this rank's local batch
         F.cross_entropy(model(xs), ys).backward()
-    optimizer.step()                           # .grad: the exact mean over all V shards
+    optimizer.step()                           # .grad: the exact mean over all V slices
 
-Each shard's forward and backward see the same inputs (the same contiguous shapes),
-the same random numbers (torch's generators seeded from (seed, step, shard)) and the
-same intra-op thread count wherever they run, so each shard's gradient has the same
-bits on any rank. When the shard's backward ends, its gradients are kept for the sum
+Each slice's forward and backward see the same inputs (the same contiguous shapes),
+the same random numbers (torch's generators seeded from (seed, step, slice)) and the
+same intra-op thread count wherever they run, so each slice's gradient has the same
+bits on any rank. When the slice's backward ends, its gradients are kept for the sum
 (large ones as autograd left them, small ones copied together) and ``param.grad``
-goes back to None, so the next shard's backward starts clean.
-When the last local shard's backward ends, the kept gradients are summed with
+goes back to None, so the next slice's backward starts clean.
+When the last local slice's backward ends, the kept gradients are summed with
 :class:`ddpkit.parallel.exact_sum.ExactMean` (an associative fixed-point sum, one MAX
-and one SUM all-reduce) and ``.grad`` holds the mean over the V shards: the sum does
-not depend on which rank held which shard, so neither do the bits.
+and one SUM all-reduce) and ``.grad`` holds the mean over the V slices: the sum does
+not depend on which rank held which slice, so neither do the bits.
 
 What exact mode refuses (one line each): comm hooks, ``no_sync()`` (accumulation is
-more shards), ``ddpkit.join`` (shards are equal by construction), layers that update
-buffers in forward (BatchNorm's running statistics: per shard they would depend on the
-shard order; a buffer changed any other way during a step is an error at its end),
+more slices), ``ddpkit.join`` (slices are equal by construction), layers that update
+buffers in forward (BatchNorm's running statistics: per slice they would depend on the
+slice order; a buffer changed any other way during a step is an error at its end),
 parameters on several devices, float64 parameters (the 53-bit fixed point would round
 them more than float64 summation does).
 """
@@ -42,10 +42,10 @@ from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.lifetime import no_python_tls
 from ddpkit.log import get_logger
 from ddpkit.parallel import transport
+from ddpkit.parallel.exact_slices import pin_numerics, slice_positions, slice_rng
 from ddpkit.parallel.exact_sum import PIECE_ELEMENTS, ExactMean
 from ddpkit.parallel.state_sync import broadcast_coalesced
-from ddpkit.parallel.virtual_shards import local_slices, pin_numerics, shard_rng
-from ddpkit.shard_count import EXACT_THREADS, check_virtual_shards
+from ddpkit.slice_count import EXACT_THREADS, check_slices, saved_slice_count
 
 log = get_logger(__name__)
 
@@ -55,12 +55,12 @@ _RUNNING_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._Inst
 
 def refuse_running_statistics(module: nn.Module) -> None:
     """A layer that updates running statistics in every training forward would, per
-    shard, fold them in an order that depends on the layout: refused, naming it."""
+    slice, fold them in an order that depends on the layout: refused, naming it."""
     for name, m in module.named_modules():
         if isinstance(m, _RUNNING_STATS) and getattr(m, "track_running_stats", False):
             raise ConfigError(
                 f"exact mode: {type(m).__name__} {name or '(the model)'!r} updates running "
-                "statistics in every forward, which per shard would depend on the process "
+                "statistics in every forward, which per slice would depend on the process "
                 "layout; use GroupNorm or LayerNorm, or track_running_stats=False")
 
 
@@ -77,18 +77,18 @@ class ExactReducer:
     """DataParallel's reducer in exact mode (see the module docstring).
 
     It stands in for the engine's reducer and transport: the engine's forward arms it
-    (:meth:`arm`), and :meth:`shards` is ``DataParallel.shards``. ``step`` counts the
-    reductions done (the shard streams' step); with ``virtual_shards`` and ``seed`` it
+    (:meth:`arm`), and :meth:`slices` is ``DataParallel.slices``. ``step`` counts the
+    reductions done (the slice streams' step); with ``slices`` and ``seed`` it
     is the state a checkpoint keeps (:meth:`state_dict`).
     """
 
     name = "exact"  # as the engine's transport
     reduces_inline = True
     comm_hook = None
-    buckets: list = []  # no gradient buckets: each local shard's gradients are kept
+    buckets: list = []  # no gradient buckets: each local slice's gradients are kept
 
     def __init__(self, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]],
-                 group, *, virtual_shards: int | None, comm: str,
+                 group, *, slices: int | None, comm: str,
                  find_unused_parameters: bool, seed: int | None = None):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
@@ -119,9 +119,9 @@ class ExactReducer:
         if shm is not None and self._shm is None:
             self.algo = shm.name
         self.find_unused = find_unused_parameters
-        self.virtual_shards: int | None = None
-        if virtual_shards is not None:
-            self.set_virtual_shards(virtual_shards)
+        self.slice_count: int | None = None
+        if slices is not None:
+            self.set_slice_count(slices)
         self.seed = _agreed_seed(group, self.device) if seed is None else int(seed)
         self.step = 0
         self.synced_iterations = 0
@@ -133,20 +133,20 @@ class ExactReducer:
             total += p.numel()
         self.numel = total
         # The step's terms for the sum, per segment of the parameters: a large gradient
-        # is kept as autograd left it (a flat view, no copy; a list of the local shards'
+        # is kept as autograd left it (a flat view, no copy; a list of the local slices'
         # ones), while a run of consecutive small ones is copied into a [V/W, size]
-        # buffer, a row per local shard, so the sum works on a few long segments and
+        # buffer, a row per local slice, so the sum works on a few long segments and
         # takes the rows of a stacked one in single ops (a missing term is zeros).
         self._segments = _segments([p.numel() for p in self.params])
         self._kept: list = []  # per segment: list of 1-D gradients, or the stacked buffer
-        self._packs: list = []  # per segment: (buffer, views per local shard) or None
-        self._local_shards = 0
+        self._packs: list = []  # per segment: (buffer, views per local slice) or None
+        self._local_slices = 0
         self._result = torch.empty(total, dtype=torch.float32, device=self.device)
         self._mean: ExactMean | None = None
-        self._local: int | None = None  # the local shard being run, inside shards()
-        self._done = 0  # local shards of this step whose backward has ended
+        self._local: int | None = None  # the local slice being run, inside slices()
+        self._done = 0  # local slices of this step whose backward has ended
         self.armed = False
-        self._captured: list[bool] = []  # per local shard: its backward has been taken
+        self._captured: list[bool] = []  # per local slice: its backward has been taken
         self._used = [False] * len(self.params)
         self._callback_queued = False
         self._versions: list[int] = []
@@ -161,63 +161,63 @@ class ExactReducer:
 
     # -- settings and state --------------------------------------------------------------
 
-    def set_virtual_shards(self, virtual_shards: int) -> None:
+    def set_slice_count(self, slices: int) -> None:
         """Fix V (before the first step; ``ddpkit.Run(exact=True)`` sets it from its
         sampler when the engine was built without it)."""
-        v = check_virtual_shards(virtual_shards, None, self.world_size)
-        if self.virtual_shards not in (None, v) and self.step:
-            raise ConfigError(f"exact mode: this run has {self.virtual_shards} virtual shards; "
+        v = check_slices(slices, None, self.world_size)
+        if self.slice_count not in (None, v) and self.step:
+            raise ConfigError(f"exact mode: this run has {self.slice_count} slices; "
                               f"they cannot change to {v} in the middle of it")
-        self.virtual_shards = v
+        self.slice_count = v
 
     def state_dict(self) -> dict[str, int]:
-        """What a resume needs: the shard count (it must not change), the step of the
-        shard streams and their seed."""
-        return {"virtual_shards": int(self.virtual_shards or 0), "step": self.step,
+        """What a resume needs: the slice count (it must not change), the step of the
+        slice streams and their seed."""
+        return {"slices": int(self.slice_count or 0), "step": self.step,
                 "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = int(state["virtual_shards"])
-        if self.virtual_shards is None:
-            self.set_virtual_shards(saved)
+        saved = saved_slice_count(state)
+        if self.slice_count is None:
+            self.set_slice_count(saved)
         self.step = int(state["step"])
         self.seed = int(state["seed"])
 
-    # -- the shard loop ------------------------------------------------------------------
+    # -- the slice loop ------------------------------------------------------------------
 
-    def shards(self, tensors: Sequence[torch.Tensor]) -> Iterator[Any]:
-        """This rank's shards of its local batch (each tensor cut alike along dim 0),
-        each yielded inside its own random stream; see DataParallel.shards."""
-        v = self.virtual_shards
+    def slices(self, tensors: Sequence[torch.Tensor]) -> Iterator[Any]:
+        """This rank's slices of its local batch (each tensor cut alike along dim 0),
+        each yielded inside its own random stream; see DataParallel.slices."""
+        v = self.slice_count
         if v is None:
             raise ConfigError(
-                "exact mode needs the number of virtual shards: DataParallel(model, "
-                "exact=True, virtual_shards=V), or ddpkit.Run(..., exact=True), which takes "
+                "exact mode needs the number of slices: DataParallel(model, "
+                "exact=True, slices=V), or ddpkit.Run(..., exact=True), which takes "
                 "it from the sampler")
         if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise ConfigError("model.shards(...) takes this rank's batch tensors, e.g. "
-                              "model.shards(x, y)")
+            raise ConfigError("model.slices(...) takes this rank's batch tensors, e.g. "
+                              "model.slices(x, y)")
         lengths = {len(t) for t in tensors}
         if len(lengths) != 1:
-            raise ConfigError(f"model.shards(...): the tensors hold {sorted(lengths)} samples; "
+            raise ConfigError(f"model.slices(...): the tensors hold {sorted(lengths)} samples; "
                               "give the same batch's tensors")
-        slices = local_slices(lengths.pop(), v, self.world_size)
-        self._begin_step(len(slices))
+        parts = slice_positions(lengths.pop(), v, self.world_size)
+        self._begin_step(len(parts))
         finished = False
         try:
-            for m, part in enumerate(slices):
+            for m, part in enumerate(parts):
                 # Contiguous copies: a strided view's layout (its stride is V/W rows)
                 # could steer a kernel to another code path at another world size.
                 pieces = tuple(t[part].contiguous() for t in tensors)
-                with shard_rng(self.seed, self.step, self.rank + m * self.world_size,
+                with slice_rng(self.seed, self.step, self.rank + m * self.world_size,
                                [self.device]):
                     self._local = m
                     yield pieces[0] if len(pieces) == 1 else pieces
                     self._local = None
                 if self._done != m + 1:
                     raise DdpkitError(
-                        f"exact mode: shard {m + 1} of {len(slices)} on this rank ran no "
-                        "backward through the model; each shard needs one forward and one "
+                        f"exact mode: slice {m + 1} of {len(parts)} on this rank ran no "
+                        "backward through the model; each slice needs one forward and one "
                         "backward (loss.backward()) inside the loop")
             finished = True
         finally:
@@ -227,27 +227,27 @@ class ExactReducer:
                 self._done = 0
                 self._kept = [[] for _ in self._segments]
 
-    def _begin_step(self, local_shards: int) -> None:
+    def _begin_step(self, local_slices: int) -> None:
         leftover = [self.names[i] for i, p in enumerate(self.params) if p.grad is not None]
         if leftover:
             raise ConfigError(
-                f"exact mode: {leftover[0]!r} still has a gradient when a step's shards begin; "
+                f"exact mode: {leftover[0]!r} still has a gradient when a step's slices begin; "
                 "call optimizer.zero_grad() (set_to_none=True, its default) before each step "
-                "(exact mode accumulates across shards, not across steps)")
-        if self._mean is None or self._local_shards != local_shards:
-            self._mean = ExactMean(local_shards, self.numel, self.virtual_shards,
+                "(exact mode accumulates across slices, not across steps)")
+        if self._mean is None or self._local_slices != local_slices:
+            self._mean = ExactMean(local_slices, self.numel, self.slice_count,
                                    extra=len(self.params), device=self.device,
                                    allocate=self._shm.allocate if self._shm else None,
                                    segments=[sum(self.params[i].numel() for i in run)
                                              for run in self._segments])
-            self._packs = [self._pack(run, local_shards)
+            self._packs = [self._pack(run, local_slices)
                            if self.params[run[0]].numel() < _KEEP_ELEMENTS else None
                            for run in self._segments]
-            self._local_shards = local_shards
+            self._local_slices = local_slices
         self._kept = [[] if pack is None else pack[0] for pack in self._packs]
         self._done = 0
         self._used = [False] * len(self.params)
-        self._captured = [False] * local_shards
+        self._captured = [False] * local_slices
         self._versions = [b._version for _, b in self._buffers]
 
     # -- the engine's reducer interface --------------------------------------------------
@@ -255,20 +255,20 @@ class ExactReducer:
     def arm(self, divisor: int) -> None:
         if self._local is None:
             raise ConfigError(
-                "exact mode: run each training forward/backward inside the shard loop: "
-                "for xs, ys in model.shards(x, y): model(xs) ... .backward()")
+                "exact mode: run each training forward/backward inside the slice loop: "
+                "for xs, ys in model.slices(x, y): model(xs) ... .backward()")
         stray = next((n for n, p in zip(self.names, self.params) if p.grad is not None), None)
         if stray is not None:
             raise DdpkitError(
-                f"exact mode: {stray!r} has a gradient that no shard's backward through the "
-                "model left (a second backward in a shard, or one outside model.shards()); "
-                "run one backward per shard")
+                f"exact mode: {stray!r} has a gradient that no slice's backward through the "
+                "model left (a second backward in a slice, or one outside model.slices()); "
+                "run one backward per slice")
         self.armed = True
 
     def disarm(self) -> None:
         if self._local is not None and torch.is_grad_enabled():
             raise ConfigError("exact mode has no no_sync(): gradient accumulation is more "
-                              "virtual shards per step (virtual_shards=)")
+                              "slices per step (slices=)")
         self.armed = False
 
     def maybe_rebuild(self, src: int) -> None:
@@ -281,7 +281,7 @@ class ExactReducer:
         raise ConfigError("exact mode sums gradients itself; comm hooks do not apply")
 
     def shadow_backward(self, divisor: int) -> None:
-        raise ConfigError("exact mode does not join uneven inputs: its shards are equal")
+        raise ConfigError("exact mode does not join uneven inputs: its slices are equal")
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
@@ -296,13 +296,13 @@ class ExactReducer:
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         raise ConfigError("exact mode does not join uneven inputs (ddpkit.join, torch's "
-                          "Join): every rank runs the same shards, padded to equal size")
+                          "Join): every rank runs the same slices, padded to equal size")
 
     def close(self) -> None:
         if self._shm is not None:
             self._shm.close()
 
-    # -- one shard's backward ------------------------------------------------------------
+    # -- one slice's backward ------------------------------------------------------------
 
     def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
@@ -316,13 +316,13 @@ class ExactReducer:
         return hook
 
     def _end_of_backward(self) -> None:
-        """A shard's backward is over: its gradients are kept, ``.grad`` goes to None."""
+        """A slice's backward is over: its gradients are kept, ``.grad`` goes to None."""
         self._callback_queued = False
         self.armed = False
         m = self._local
         if self._captured[m]:
-            raise DdpkitError("exact mode: a second backward in one shard; run one backward "
-                              "per shard (sum the losses first)")
+            raise DdpkitError("exact mode: a second backward in one slice; run one backward "
+                              "per slice (sum the losses first)")
         self._captured[m] = True
         grads = [p.grad for p in self.params]
         missing = [i for i, g in enumerate(grads) if g is None]
@@ -330,7 +330,7 @@ class ExactReducer:
             names = ", ".join(repr(self.names[i]) for i in missing[:8])
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise DdpkitError(
-                f"DataParallel: parameters got no gradient in this shard's backward: {names}"
+                f"DataParallel: parameters got no gradient in this slice's backward: {names}"
                 f"{more}. Pass find_unused_parameters=True if the graph skips them on "
                 "purpose, or make sure the loss depends on every parameter")
         sparse = next((i for i, g in enumerate(grads) if g is not None and g.is_sparse), None)
@@ -341,18 +341,18 @@ class ExactReducer:
         for i, p in enumerate(self.params):
             if grads[i] is not None:
                 self._used[i] = True
-                p.grad = None  # the next shard's backward writes a fresh gradient
+                p.grad = None  # the next slice's backward writes a fresh gradient
         self._done += 1
-        if self._done == self._local_shards:
+        if self._done == self._local_slices:
             self._reduce()
 
-    def _pack(self, run: list[int], local_shards: int):
-        """A ``[local_shards, size]`` buffer for a run of small gradients, and per row
+    def _pack(self, run: list[int], local_slices: int):
+        """A ``[local_slices, size]`` buffer for a run of small gradients, and per row
         its view per parameter."""
-        stacked = torch.empty(local_shards, sum(self.params[i].numel() for i in run),
+        stacked = torch.empty(local_slices, sum(self.params[i].numel() for i in run),
                               dtype=torch.float32, device=self.device)
         views = []
-        for m in range(local_shards):
+        for m in range(local_slices):
             mine, offset = [], 0
             for i in run:
                 size = self.params[i].numel()
@@ -362,7 +362,7 @@ class ExactReducer:
         return stacked, views
 
     def _keep(self, m: int, grads: list[torch.Tensor | None]) -> None:
-        """Local shard ``m``'s gradients into the step's terms: a large one kept as it
+        """Local slice ``m``'s gradients into the step's terms: a large one kept as it
         is, small ones copied into row ``m`` of their run's buffer (zeros if unused)."""
         for j, (run, pack) in enumerate(zip(self._segments, self._packs, strict=True)):
             if pack is None:
@@ -409,9 +409,9 @@ class ExactReducer:
                    if b._version != before]
         if changed:
             raise DdpkitError(
-                f"exact mode: buffer {changed[0]!r} changed during the step; per shard its "
+                f"exact mode: buffer {changed[0]!r} changed during the step; per slice its "
                 "value would depend on the process layout (a layer that updates state in "
-                "forward: make it stateless, or update it outside the shard loop)")
+                "forward: make it stateless, or update it outside the slice loop)")
 
     def _collective(self, op: str):
         def run(tensor: torch.Tensor) -> None:
@@ -452,14 +452,14 @@ def _flat_float32(grad: torch.Tensor) -> torch.Tensor:
 
 
 def attach(model: Any, module: nn.Module, trainable: Sequence[tuple[str, nn.Parameter]],
-           group, *, virtual_shards: int | None, comm: str, comm_hook: Any,
+           group, *, slices: int | None, comm: str, comm_hook: Any,
            find_unused_parameters: bool) -> None:
     """Make ``model`` (a DataParallel being built) exact: its reducer and transport are
     one :class:`ExactReducer`, and buffers are not re-broadcast before each forward
     (they cannot change during training in exact mode)."""
     if comm_hook is not None or callable(comm):
         raise ConfigError("exact mode sums gradients itself; pass no comm hook")
-    reducer = ExactReducer(module, trainable, group, virtual_shards=virtual_shards,
+    reducer = ExactReducer(module, trainable, group, slices=slices,
                            comm=comm, find_unused_parameters=find_unused_parameters)
     model.exact = model.reducer = model.transport = reducer  # model.comm reads its name
     model.forward_sync_buffers = False

@@ -1,6 +1,6 @@
 """A sum of floating-point gradients whose bits do not depend on how it is grouped.
 
-Float addition is not associative: summing the same V per-shard gradients as
+Float addition is not associative: summing the same V per-slice gradients as
 ``((g0 + g1) + g2) + g3`` on one process and ``(g0 + g2) + (g1 + g3)`` on two ranks
 gives different last bits, and so does every world size and every reduction tree. This
 module sums in a representation where addition *is* associative, per element ``i``:
@@ -38,10 +38,10 @@ Non-finite terms: an element with an inf or NaN term comes out inf or NaN, the s
 on every grouping (its exponent is pinned and the float64 sum of non-finite values
 does not depend on order).
 
-:class:`ExactMean` works on ``slots``: one row per local term (e.g. per virtual shard),
+:class:`ExactMean` works on ``slots``: one row per local term (e.g. per slice),
 either a ``[rows, n]`` float32 tensor or, per segment of the n elements (per parameter,
 or per run of small parameters), that segment's local terms: stacked in one tensor, or
-as separate 1-D tensors (a shard's gradient where autograd left it). Communication is
+as separate 1-D tensors (a slice's gradient where autograd left it). Communication is
 the caller's (``all_reduce_max``, ``all_reduce_sum``), so one process with all V rows
 and W ranks with V/W rows each run the same arithmetic. Everything is done piece by
 piece, a piece of every row at a time, so each term is read from memory twice (max,
@@ -95,7 +95,7 @@ class ExactMean:
 
     With ``segments`` (lengths adding up to n), ``slots`` may instead be given per
     segment, as that segment's local terms: stacked in a ``[k, size]`` tensor, or as k
-    1-D tensors (a shard's gradient where autograd left it, summed without first being
+    1-D tensors (a slice's gradient where autograd left it, summed without first being
     copied into a row), k <= rows; a missing term is a zero term.
     """
 

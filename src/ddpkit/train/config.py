@@ -31,12 +31,13 @@ import importlib.util
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import ConfigError
-from ddpkit.shard_count import EXACT_THREADS, check_virtual_shards, default_virtual_shards
+from ddpkit.slice_count import EXACT_THREADS, check_slices, default_slices
 from ddpkit.train.names import COMM_CHOICES, DATASETS, ENGINES, MODELS, SHARD_CHOICES
 from ddpkit.train.recipe import OPTIMIZERS, PRECISIONS, SCHEDULES, check_factory_spec
 
@@ -125,10 +126,10 @@ class TrainConfig:
                       default="none", choices=SHARD_CHOICES)
     # Exact mode: the same bits at any world size (docs/exact.md).
     exact: bool = flag("--exact", "the same bits at any world size and across a resume at "
-                       "another one: each step runs as virtual shards with their own random "
+                       "another one: each step runs as slices with their own random "
                        "streams, summed exactly (docs/exact.md)", default=False)
-    virtual_shards: int | None = flag(
-        "--virtual-shards", "exact mode's shards per step: a divisor of --batch-size; the "
+    slices: int | None = flag(
+        "--slices", "exact mode's slices per step: a divisor of --batch-size; the "
         "run can use the world sizes that divide it (default: of the divisors up to 12, "
         "the one most world sizes divide, e.g. 12 for a batch of 96)", default=None,
         metavar="N")
@@ -206,7 +207,7 @@ class Config:
     def update(self, raw: dict[str, Any], *, source: str) -> None:
         """Overlay ``{section: {field: value}}`` onto this config, checking names and types."""
         sections = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for section, values in raw.items():
+        for section, values in with_current_keys(raw).items():
             if section not in sections:
                 raise ConfigError(
                     f"{source}: unknown section [{section}]; known: {', '.join(sections)}"
@@ -273,8 +274,8 @@ class Config:
                       "shard; torch's ZeroRedundancyOptimizer is the nearest)")
         if t.threads < 0:
             raise bad("train.threads", f"must be >= 0, got {t.threads}")
-        if t.virtual_shards is not None and not t.exact:
-            raise bad("--virtual-shards", "is exact mode's: add --exact")
+        if t.slices is not None and not t.exact:
+            raise bad("--slices", "is exact mode's: add --exact")
         if t.exact:
             if t.engine != "ddpkit":
                 raise bad("--exact", "is ddpkit's engine's: leave out --engine torch")
@@ -283,9 +284,9 @@ class Config:
                           "sums whole gradients on every rank): leave out --shard")
             if t.grad_accum != 1:
                 raise bad("--grad-accum", "does not combine with --exact: exact mode "
-                          "accumulates over virtual shards; use a --batch-size N times larger "
-                          "and --virtual-shards (the same samples per step, summed exactly)")
-            check_virtual_shards(self.virtual_shards(), t.batch_size, None)
+                          "accumulates over slices; use a --batch-size N times larger "
+                          "and --slices (the same samples per step, summed exactly)")
+            check_slices(self.slice_count(), t.batch_size, None)
         if not t.out_dir:
             raise bad("--out-dir", "must not be empty")
         if t.log_every_steps < 0:
@@ -309,25 +310,25 @@ class Config:
             raise bad("--collective-timeout", f"must be > 0 seconds, got {timeout}")
         return self
 
-    def virtual_shards(self) -> int | None:
-        """Exact mode's shards per step (the default for the batch when not given);
+    def slice_count(self) -> int | None:
+        """Exact mode's slices per step (the default for the batch when not given);
         None in the default mode."""
         t = self.train
         if not t.exact:
             return None
-        return t.virtual_shards or default_virtual_shards(t.batch_size)
+        return t.slices or default_slices(t.batch_size)
 
     def identity(self) -> dict[str, Any]:
         """The settings a checkpoint must agree with to be resumed under this config:
         what shapes the model, the optimizer state and the data order. Epochs, output,
         engine, threads, checkpoint and timeout settings may change on resume; in
-        exact mode the shard count and the thread count may not (either changes the
+        exact mode the slice count and the thread count may not (either changes the
         bits)."""
         d, t = self.data, self.train
         train: dict[str, Any] = {"seed": t.seed, "batch_size": t.batch_size,
                                  "grad_accum": t.grad_accum}
         if t.exact:
-            train.update(exact=True, virtual_shards=self.virtual_shards(),
+            train.update(exact=True, slices=self.slice_count(),
                          threads=t.threads or EXACT_THREADS)
         return {
             "data": {"name": d.name, "synthetic_size": d.synthetic_size,
@@ -368,6 +369,21 @@ def _coerce(value: Any, current: Any, f: dataclasses.Field, key: str) -> Any:
     if not isinstance(value, str):
         raise ConfigError(f"{key} must be a string, got {value!r}")
     return value
+
+
+# Keys that were renamed: a config file or a run's saved settings that use the old name
+# still load (section, old key) -> new key.
+RENAMED_KEYS = {("train", "virtual_shards"): "slices"}
+
+
+def with_current_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """``raw`` (``{section: {key: value}}``) with renamed keys under their current names."""
+    out: dict[str, Any] = {}
+    for section, values in raw.items():
+        if isinstance(values, Mapping):
+            values = {RENAMED_KEYS.get((section, k), k): v for k, v in values.items()}
+        out[section] = values
+    return out
 
 
 def read_toml(path: str | os.PathLike) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ddpkit.errors import ConfigError
-from ddpkit.shard_count import check_virtual_shards
+from ddpkit.slice_count import check_slices
 from ddpkit.torchrun_args import cpu_only_torch, default_nproc
 from ddpkit.train import recipe
 from ddpkit.train.config import Config
@@ -19,7 +19,7 @@ from ddpkit.train.config import Config
 
 def check_world_size(cfg: Config, opts) -> None:
     """Catch a global batch the ranks cannot split (in exact mode: a world size that
-    does not divide the virtual shards)."""
+    does not divide the slices)."""
     nproc = opts.nproc_per_node if opts.nproc_per_node is not None else default_nproc()
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node must be a positive integer, got {nproc}")
@@ -36,7 +36,7 @@ def check_world_size(cfg: Config, opts) -> None:
 
         local_batch_size(cfg.train.batch_size, nproc * nnodes)  # raises, in its words
     if cfg.train.exact:
-        check_virtual_shards(cfg.virtual_shards(), cfg.train.batch_size, nproc * nnodes)
+        check_slices(cfg.slice_count(), cfg.train.batch_size, nproc * nnodes)
 
 
 def check_launch(cfg: Config, opts) -> None:

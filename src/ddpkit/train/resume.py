@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ddpkit.errors import ConfigError
 from ddpkit.run_lock import LOCK_FILE
 from ddpkit.train import report
-from ddpkit.train.config import Config
+from ddpkit.train.config import Config, with_current_keys
 from ddpkit.train.report import CHECKPOINT_DIR
 
 if TYPE_CHECKING:  # ddpkit.checkpoint imports torch: the launcher needs it only to resume
@@ -127,7 +127,9 @@ def refuse_changed_config(saved: Any, cfg: Config, source: str) -> None:
     workers (:meth:`Trainer.restore`)."""
     from ddpkit.checkpoint import CheckpointError, config_changes
 
-    changes = config_changes(saved, cfg.identity())
+    if isinstance(saved, str):
+        saved = json.loads(saved)
+    changes = config_changes(with_current_keys(saved), cfg.identity())
     if changes:
         raise CheckpointError(
             f"{source} was written with other settings ({'; '.join(changes)}); "

@@ -62,7 +62,7 @@ from ddpkit.loop.rank0 import cannot_create, decide_on_rank0
 from ddpkit.parallel import data_parallel
 from ddpkit.parallel.sharded_state import state_bytes
 from ddpkit.run_lock import RunLock, held_for_us
-from ddpkit.shard_count import EXACT_THREADS
+from ddpkit.slice_count import EXACT_THREADS
 from ddpkit.train import divergence, progress, recipe, report
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums, gather_floats
@@ -138,7 +138,7 @@ class Trainer:
                                     train_set.num_classes).to(self.device)
         # The model is already on self.device and so are the batches, so neither engine
         # needs device_ids (torch DDP infers a single-device module's device).
-        exact = {"exact": True, "virtual_shards": cfg.virtual_shards()} if t.exact else {}
+        exact = {"exact": True, "slices": cfg.slice_count()} if t.exact else {}
         self.model = (wrap(module, t.engine, self.device) if wrap is not None
                       else data_parallel(module, engine=t.engine, comm=t.comm, **exact,
                                          **({} if t.shard == "none" else {"shard": t.shard})))
@@ -146,7 +146,7 @@ class Trainer:
         # What actually runs: a custom ``wrap`` may not use the engine requested.
         self.engine = "torch" if type(self.model).__module__.startswith("torch.") else t.engine
         # Dropout masks should differ between ranks but still follow from the seed. (In
-        # exact mode they follow the shard; nothing random is left per rank.)
+        # exact mode they follow the slice; nothing random is left per rank.)
         torch.manual_seed(t.seed + 1 + (0 if t.exact else world.rank))
         # Sharded: the optimizer holds this rank's pieces of the weights (and their state).
         self.sharded = getattr(self.model, "shard", "none") != "none"
@@ -159,7 +159,7 @@ class Trainer:
         self.sampler = ShardSampler(train_set, global_batch_size=t.batch_size,
                                     num_replicas=world.world_size, rank=world.rank,
                                     seed=t.seed, drop_last=cfg.data.drop_last,
-                                    virtual_shards=cfg.virtual_shards())
+                                    slices=cfg.slice_count())
         eval_batch = math.ceil(t.eval_batch_size / world.world_size) * world.world_size
         self.test_sampler = ShardSampler(test_set, global_batch_size=eval_batch,
                                          num_replicas=world.world_size, rank=world.rank,
@@ -383,16 +383,16 @@ class Trainer:
                             clip_with=self.model.clip_grad_norm_ if self.sharded else None)
 
     def _exact_step(self, batch: ShardBatch, sums: MetricSums) -> None:
-        """Exact mode: the batch's forward/backward shard by shard (docs/exact.md).
-        Each shard's loss is its real samples' sum times ``V / real samples in the
-        global batch``; the engine averages over the V shards, so the gradient is the
+        """Exact mode: the batch's forward/backward slice by slice (docs/exact.md).
+        Each slice's loss is its real samples' sum times ``V / real samples in the
+        global batch``; the engine averages over the V slices, so the gradient is the
         mean over the global batch, as in the default mode."""
         x, y = self.train_set.batch(batch.indices)
         real = torch.arange(len(batch.indices), device=self.device) < batch.num_real
-        scale = self.cfg.virtual_shards() / batch.global_num_real
+        scale = self.cfg.slice_count() / batch.global_num_real
         all_losses, all_correct = [], []
-        for xs, ys, real_s in self.model.shards(x, y, real):
-            # A shard's real samples come first (the padding is at the batch's end).
+        for xs, ys, real_s in self.model.slices(x, y, real):
+            # A slice's real samples come first (the padding is at the batch's end).
             n = int(real_s.sum())
             with self.precision.autocast():
                 out = self.model(xs)

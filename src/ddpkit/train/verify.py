@@ -13,8 +13,8 @@ Dropout is switched off on both sides: its masks depend on per-process random st
 which a single process cannot reproduce.
 
 ``--exact`` (docs/exact.md) checks exact mode, where the claim is stronger: the W ranks
-end with *the same bits* as one process. The reference then runs each step's V virtual
-shards one after another in plain PyTorch, each in its own random stream (dropout
+end with *the same bits* as one process. The reference then runs each step's V
+slices one after another in plain PyTorch, each in its own random stream (dropout
 stays on), and takes the exact mean of their gradients; the tolerance is zero.
 """
 
@@ -36,8 +36,8 @@ from ddpkit.data.datasets import ArrayDataset
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
 from ddpkit.launcher_link import die_with_launcher
+from ddpkit.parallel.exact_slices import slice_rng
 from ddpkit.parallel.exact_sum import ExactMean
-from ddpkit.parallel.virtual_shards import shard_rng
 from ddpkit.runtime import distributed
 from ddpkit.train import recipe
 from ddpkit.train.config import Config
@@ -70,12 +70,12 @@ class VerifyResult:
     tolerance: float
     max_abs_param: float
     passed: bool
-    virtual_shards: int = 0  # exact mode's shards per step; 0: the default mode
+    slices: int = 0  # exact mode's slices per step; 0: the default mode
 
     def render(self) -> str:
         verdict = "PASS" if self.passed else "FAIL"
-        mode = f", exact ({self.virtual_shards} virtual shards)" if self.virtual_shards else ""
-        rule = ("tolerance (exact mode: the same bits)      " if self.virtual_shards else
+        mode = f", exact ({self.slices} slices)" if self.slices else ""
+        rule = ("tolerance (exact mode: the same bits)      " if self.slices else
                 f"tolerance ({ULPS_PER_STEP} eps x steps x max(1, max|param| = "
                 f"{self.max_abs_param:.3g}))  ")
         return "\n".join([
@@ -140,17 +140,17 @@ def reference_parameters(cfg: Config, train_set: ArrayDataset, steps: int,
 
 def exact_reference_parameters(cfg: Config, train_set: ArrayDataset, steps: int,
                                seed: int) -> list[torch.Tensor]:
-    """Exact mode on one process in plain PyTorch: each step's V shards in order, each
-    in its random stream ``(seed, step, shard)``, the loss of the trainer's exact step,
+    """Exact mode on one process in plain PyTorch: each step's V slices in order, each
+    in its random stream ``(seed, step, slice)``, the loss of the trainer's exact step,
     then the exact mean of the V gradients (no engine, no collectives)."""
-    v = cfg.virtual_shards()
+    v = cfg.slice_count()
     torch.manual_seed(cfg.train.seed)
     model = recipe.build_model(cfg.model, train_set.input_shape, train_set.num_classes)
     model.train()
     opt = recipe.build_optimizer(model.parameters(), cfg.optim)
     sampler = ShardSampler(train_set, global_batch_size=cfg.train.batch_size, num_replicas=1,
                            rank=0, seed=cfg.train.seed, drop_last=cfg.data.drop_last,
-                           virtual_shards=v)
+                           slices=v)
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     rows = torch.empty(v, numel)
@@ -161,8 +161,8 @@ def exact_reference_parameters(cfg: Config, train_set: ArrayDataset, steps: int,
         opt.zero_grad(set_to_none=True)
         for k in range(v):
             xs, ys = x[k::v].contiguous(), y[k::v].contiguous()
-            real = len(range(k, batch.num_real, v))  # a shard's real samples come first
-            with shard_rng(seed, step, k):
+            real = len(range(k, batch.num_real, v))  # a slice's real samples come first
+            with slice_rng(seed, step, k):
                 losses = F.nll_loss(model(xs), ys, reduction="none")[:real]
                 (losses.sum() * (v / batch.global_num_real)).backward()
             torch.cat([p.grad.reshape(-1) for p in params], out=rows[k])
@@ -201,7 +201,7 @@ def verify(cfg: Config, world: World, *, steps: int = 10, dtype: str = "float32"
     with default_dtype(torch_dtype):
         trainer = Trainer(cfg, world, datasets=datasets, wrap=wrap, write=False)
     trainer.model.train()
-    if not exact:  # exact mode draws dropout masks per shard: the reference can too
+    if not exact:  # exact mode draws dropout masks per slice: the reference can too
         _no_dropout(trainer.model)
     taken = 0
     sums = MetricSums(trainer.device)
@@ -235,7 +235,7 @@ def verify(cfg: Config, world: World, *, steps: int = 10, dtype: str = "float32"
                         engine=trainer.engine, max_abs_diff=diff,
                         max_rank_diff=rank_diff.item(), tolerance=tol, max_abs_param=biggest,
                         passed=diff <= tol and rank_diff.item() == 0.0,
-                        virtual_shards=cfg.virtual_shards() or 0)
+                        slices=cfg.slice_count() or 0)
 
 
 def run_verify_worker(cfg: Config, steps: int, dtype: str, result_file: str | None) -> int:

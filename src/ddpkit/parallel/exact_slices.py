@@ -1,25 +1,25 @@
-"""Virtual shards: one step's global batch cut into V pieces that do not depend on W.
+"""Slices: one step's global batch cut into V pieces that do not depend on W.
 
-Exact mode computes every step as V separate forward/backward passes ("shards") of
-fixed shapes, and each rank of W runs the V/W shards it owns one after another. Which
-samples a shard holds, which random numbers it draws and how many intra-op threads
+Exact mode computes every step as V separate forward/backward passes ("slices") of
+fixed shapes, and each rank of W runs the V/W slices it owns one after another. Which
+samples a slice holds, which random numbers it draws and how many intra-op threads
 compute it must then not depend on W; this module defines all three.
 
-* **Samples.** Shard ``k`` of a global batch holds positions ``k, k + V, k + 2V, ...``
+* **Samples.** Slice ``k`` of a global batch holds positions ``k, k + V, k + 2V, ...``
   of it. :class:`ddpkit.data.ShardSampler` gives rank ``r`` of W the positions
-  ``r, r + W, ...``, so (with W dividing V) rank ``r`` owns shards ``r, r + W, ...``,
-  and its ``m``-th shard is its local batch's entries ``m, m + V/W, ...``
-  (:func:`local_slices`). The last batch of an epoch is padded to a multiple of V
-  (``ShardSampler(virtual_shards=V)``), so every shard of a step has the same size.
-* **Random numbers.** Shard ``k`` of step ``s`` draws from torch's generators seeded
-  with :func:`shard_seed` ``(seed, s, k)`` (:func:`shard_rng`), then the caller's
-  streams are put back: dropout masks follow the shard, not the rank.
+  ``r, r + W, ...``, so (with W dividing V) rank ``r`` owns slices ``r, r + W, ...``,
+  and its ``m``-th slice is its local batch's entries ``m, m + V/W, ...``
+  (:func:`slice_positions`). The last batch of an epoch is padded to a multiple of V
+  (``ShardSampler(slices=V)``), so every slice of a step has the same size.
+* **Random numbers.** Slice ``k`` of step ``s`` draws from torch's generators seeded
+  with :func:`slice_seed` ``(seed, s, k)`` (:func:`slice_rng`), then the caller's
+  streams are put back: dropout masks follow the slice, not the rank.
 * **Numerics.** :func:`pin_numerics` fixes what changes a kernel's bits between
   layouts: the intra-op thread count (a reduction split over 2 threads rounds
   differently from 1; measured on this project's MLP) and torch's deterministic
   algorithms (CUDA's atomics-based kernels).
 
-:func:`default_virtual_shards` picks V for a global batch (:mod:`ddpkit.shard_count`,
+:func:`default_slices` picks V for a global batch (:mod:`ddpkit.slice_count`,
 torch-free, so the launcher checks a run before any worker starts).
 """
 
@@ -32,26 +32,26 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ddpkit.errors import ConfigError
-from ddpkit.shard_count import EXACT_THREADS
+from ddpkit.slice_count import EXACT_THREADS
 
 _MASK64 = (1 << 64) - 1
 
 
-def owned_shards(rank: int, world_size: int, virtual_shards: int) -> range:
-    """The global indices of the shards rank ``rank`` of ``world_size`` runs, in order."""
-    return range(rank, virtual_shards, world_size)
+def owned_slices(rank: int, world_size: int, slices: int) -> range:
+    """The global indices of the slices rank ``rank`` of ``world_size`` runs, in order."""
+    return range(rank, slices, world_size)
 
 
-def local_slices(length: int, virtual_shards: int, world_size: int) -> list[slice]:
-    """How a rank's local batch of ``length`` entries splits into its shards: entry
-    ``j`` belongs to its ``j % (V/W)``-th shard (see the module docstring)."""
-    per_rank = virtual_shards // world_size
+def slice_positions(length: int, slices: int, world_size: int) -> list[slice]:
+    """How a rank's local batch of ``length`` entries splits into its slices: entry
+    ``j`` belongs to its ``j % (V/W)``-th slice (see the module docstring)."""
+    per_rank = slices // world_size
     if length % per_rank:
         raise ConfigError(
-            f"a local batch of {length} samples does not split into {per_rank} shards of "
-            f"equal size: with {virtual_shards} virtual shards the global batch must be a "
-            f"multiple of {virtual_shards}, and the last batch of an epoch padded to one "
-            f"(ShardSampler(..., virtual_shards={virtual_shards}))")
+            f"a local batch of {length} samples does not split into {per_rank} slices of "
+            f"equal size: with {slices} slices the global batch must be a "
+            f"multiple of {slices}, and the last batch of an epoch padded to one "
+            f"(ShardSampler(..., slices={slices}))")
     return [slice(m, None, per_rank) for m in range(per_rank)]
 
 
@@ -62,12 +62,12 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def shard_seed(seed: int, step: int, shard: int) -> int:
-    """A 64-bit seed for shard ``shard`` of step ``step`` of a run seeded ``seed``:
+def slice_seed(seed: int, step: int, slice: int) -> int:
+    """A 64-bit seed for slice ``slice`` of step ``step`` of a run seeded ``seed``:
     distinct triples give unrelated seeds (splitmix64 chained over the three)."""
     h = _splitmix64(seed & _MASK64)
     h = _splitmix64(h ^ (step & _MASK64))
-    return _splitmix64(h ^ (shard & _MASK64))
+    return _splitmix64(h ^ (slice & _MASK64))
 
 
 def _generators(devices: Sequence[torch.device]) -> list[torch.Generator]:
@@ -80,15 +80,15 @@ def _generators(devices: Sequence[torch.device]) -> list[torch.Generator]:
 
 
 @contextlib.contextmanager
-def shard_rng(seed: int, step: int, shard: int,
+def slice_rng(seed: int, step: int, slice: int,
               devices: Sequence[torch.device] = ()) -> Iterator[int]:
     """Inside: torch's CPU generator (and those of ``devices``' CUDA devices) seeded
-    for this shard; afterwards they are back where they were. Yields the seed.
+    for this slice; afterwards they are back where they were. Yields the seed.
 
     (The generators are seeded directly: ``torch.manual_seed`` queues a seed for every
     accelerator type with a stack trace each, ~0.3 ms a call here.)
     """
-    value = shard_seed(seed, step, shard)
+    value = slice_seed(seed, step, slice)
     generators = _generators(devices)
     saved = [g.get_state() for g in generators]
     try:
@@ -115,5 +115,5 @@ def pin_numerics(threads: int = EXACT_THREADS, *, cuda: bool = False) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-__all__ = ["local_slices", "owned_shards", "pin_numerics", "shard_rng",
-           "shard_seed"]
+__all__ = ["slice_positions", "owned_slices", "pin_numerics", "slice_rng",
+           "slice_seed"]
