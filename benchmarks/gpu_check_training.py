@@ -1,0 +1,294 @@
+"""The GPU check's training items: DataParallel against torch DDP (bits, step times),
+ZeRO against the unsharded engine, exact mode across world sizes.
+
+Each item is ``item(setup, report, seconds_left)``; its ranks run in fresh processes
+(``gpu_check_lib.run_ranks``). Runs that compare bits turn on torch's deterministic
+algorithms (and the cuBLAS workspace setting they need), so that a difference is the
+engines', not a kernel's run-to-run noise; every such comparison also repeats the
+reference once, which says whether the kernels still differ run to run.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import ddpkit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_check_lib import (  # noqa: E402
+    DETERMINISTIC_ENV,
+    Layout,
+    Report,
+    Setup,
+    Task,
+    difference,
+    interleaved,
+    make_task,
+    parameter_count,
+    run_ranks,
+    state_of,
+    versus_rank0,
+)
+
+SGD_STEPS = 4
+
+
+def torch_ddp(module: nn.Module, device: torch.device) -> DistributedDataParallel:
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=ids)
+
+
+def train(model: nn.Module, task: Task, world: ddpkit.World, steps: int,
+          optimizer: Callable = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)) -> None:
+    device = torch.device(world.device)
+    opt = optimizer(model.parameters())
+    for step in range(steps):
+        x, y = task.batch(step, world.rank, world.world_size, device)
+        opt.zero_grad()
+        task.loss(model, x, y).backward()
+        opt.step()
+
+
+# ------------------------------------------------- DataParallel against torch DDP: bits
+
+
+def engines_rank(world: ddpkit.World, setup: Setup, keys: tuple[str, ...]) -> dict:
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    device = torch.device(world.device)
+    out = {}
+    for key in keys:
+        task = make_task(key, setup)
+        torch.manual_seed(0)
+        base = task.build().to(device)
+        states, comm = {}, None
+        for name in ("torch", "ddpkit", "torch again"):
+            module = copy.deepcopy(base)
+            model = ddpkit.DataParallel(module) if name == "ddpkit" else torch_ddp(module, device)
+            train(model, task, world, SGD_STEPS)
+            states[name] = state_of(model.module)
+            comm = getattr(model, "comm", comm)
+        out[key] = {"ddpkit": difference(states["ddpkit"], states["torch"]),
+                    "control": difference(states["torch again"], states["torch"]),
+                    "replica": versus_rank0(states["ddpkit"]), "comm": comm}
+    return out
+
+
+def ddp_vs_torch(setup: Setup, report: Report, seconds_left: Callable[[], float]) -> None:
+    keys = ("mlp", "gpt")
+    for layout in setup.native_layouts():
+        results = run_ranks(engines_rank, layout, (setup, keys), timeout_s=seconds_left(),
+                            env=DETERMINISTIC_ENV)
+        for key in keys:
+            name = make_task(key, setup).name
+            for rank, result in enumerate(results):
+                found = result[key]
+                report.compare(f"{name}: DataParallel vs torch DDP after {SGD_STEPS} SGD "
+                               f"steps, rank {rank}", layout, found["ddpkit"],
+                               control=found["control"], control_what="torch DDP run again")
+                if rank:
+                    report.compare(f"{name}: DataParallel, rank {rank} vs rank 0", layout,
+                                   found["replica"])
+            report.facts[f"DataParallel comm, {layout.label}"] = results[0][key]["comm"]
+
+
+# ------------------------------------------------- step times
+
+
+def step_time_rank(world: ddpkit.World, setup: Setup, keys: tuple[str, ...]) -> dict:
+    device = torch.device(world.device)
+    out = {}
+    for key in keys:
+        task = make_task(key, setup)
+        torch.manual_seed(0)
+        base = task.build().to(device)
+        models = {"no DDP": copy.deepcopy(base),
+                  "DataParallel": ddpkit.DataParallel(copy.deepcopy(base)),
+                  "torch DDP": torch_ddp(copy.deepcopy(base), device)}
+        batches = [task.batch(s, world.rank, world.world_size, device) for s in range(2)]
+        steps = {name: _stepper(model, task, batches) for name, model in models.items()}
+        out[key] = interleaved(steps, device, rounds=setup.size(7, 2),
+                               repeats=setup.size(10, 2), warmup=setup.size(3, 1))
+    return out
+
+
+def _stepper(model: nn.Module, task: Task, batches: list) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    turn = itertools.cycle(batches)
+
+    def step() -> None:
+        x, y = next(turn)
+        opt.zero_grad()
+        task.loss(model, x, y).backward()
+        opt.step()
+
+    return step
+
+
+def step_time(setup: Setup, report: Report, seconds_left: Callable[[], float]) -> None:
+    keys = ("mlp", "gpt")
+    for layout in setup.native_layouts():
+        results = run_ranks(step_time_rank, layout, (setup, keys), timeout_s=seconds_left())
+        for key in keys:
+            task = make_task(key, setup)
+            per_rank = task.global_batch // layout.world_size
+            what = (f"{task.name} step ({_count(parameter_count(task))} params, batch "
+                    f"{per_rank}/rank)")
+            report.timing(what, layout, results[0][key], baseline="no DDP")
+            ms = {row["variant"]: row["median_ms"] for row in report.timings[-3:]}
+            report.facts[f"{what}, {layout.label}"] = (
+                f"DataParallel {_overhead(ms['DataParallel'], ms['no DDP'])} and torch DDP "
+                f"{_overhead(ms['torch DDP'], ms['no DDP'])} over no DDP; DataParallel / "
+                f"torch DDP = {ms['DataParallel'] / ms['torch DDP']:.3f}")
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 100_000 else str(n)
+
+
+def _overhead(ms: float, base: float) -> str:
+    return f"{100 * (ms / base - 1):+.1f}%"
+
+
+# ------------------------------------------------- ZeRO against the unsharded engine
+
+
+def zero_rank(world: ddpkit.World, setup: Setup, keys: tuple[str, ...]) -> dict:
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    device = torch.device(world.device)
+    out = {}
+    for key in keys:
+        task = make_task(key, setup)
+        states, comm = {}, None
+        for run in ("none", "gradients", "parameters", "none again"):
+            torch.manual_seed(0)
+            model = ddpkit.DataParallel(task.build().to(device), shard=run.split()[0],
+                                        bucket_cap_mb=setup.size(4, 0.01))
+            train(model, task, world, SGD_STEPS,
+                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01))
+            states[run] = state_of(model)
+            comm = model.comm
+        out[key] = {shard: difference(states[shard], states["none"])
+                    for shard in ("gradients", "parameters", "none again")}
+        out[key]["comm"] = comm
+    return out
+
+
+def zero(setup: Setup, report: Report, seconds_left: Callable[[], float]) -> None:
+    keys = ("mlp", "gpt")
+    for layout in (setup.layout(1), setup.pair_layout()):
+        results = run_ranks(zero_rank, layout, (setup, keys), timeout_s=seconds_left(),
+                            env=DETERMINISTIC_ENV)
+        for key in keys:
+            name = make_task(key, setup).name
+            for rank, result in enumerate(results):
+                for shard in ("gradients", "parameters"):
+                    report.compare(f"{name}: shard={shard!r} vs 'none', AdamW {SGD_STEPS} "
+                                   f"steps, rank {rank}", layout, result[key][shard],
+                                   control=result[key]["none again"],
+                                   control_what="shard='none' run again")
+            report.facts[f"comm, {layout.label}"] = results[0][key]["comm"]
+
+
+# ------------------------------------------------- exact mode
+
+
+def exact_engine(module: nn.Module, slices: int) -> nn.Module:
+    """Exact mode under its decided names; with :func:`exact_slices`, the only place this
+    check names exact mode's API."""
+    return ddpkit.DataParallel(module, exact=True, slices=slices)
+
+
+def exact_slices(model: nn.Module, *tensors: torch.Tensor):
+    return model.slices(*tensors)
+
+
+def exact_loss(model: nn.Module, task: Task, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step's forward and backward passes: one per slice of this rank's batch."""
+    for xs, ys in exact_slices(model, x, y):
+        task.loss(model, xs, ys).backward()
+
+
+def exact_rank(world: ddpkit.World, setup: Setup, slice_counts: tuple[int, ...],
+               timed: bool) -> dict:
+    device = torch.device(world.device)
+    task = make_task("dropout", setup)
+    out = {}
+    # The bits first: exact mode pins the numerics when its engine is built, which
+    # must come before this process's first matrix product.
+    runs = [(f"V={v}", v) for v in slice_counts] + [(f"V={slice_counts[-1]} again",
+                                                     slice_counts[-1])]
+    for label, v in runs:
+        torch.manual_seed(0)
+        model = exact_engine(task.build().to(device), v)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for step in range(SGD_STEPS):
+            x, y = task.batch(step, world.rank, world.world_size, device)
+            opt.zero_grad()
+            exact_loss(model, task, x, y)
+            opt.step()
+        out[label] = state_of(model.module, cpu=True)
+    if timed:
+        out["times"] = _exact_times(world, setup, device)
+    return out
+
+
+def _exact_times(world: ddpkit.World, setup: Setup, device: torch.device) -> dict:
+    task = make_task("mlp", setup)
+    torch.manual_seed(0)
+    base = task.build().to(device)
+    batches = [task.batch(s, world.rank, world.world_size, device) for s in range(2)]
+    models = {"default": (ddpkit.DataParallel(copy.deepcopy(base)), False)}
+    for v in sorted({world.world_size, 8}):
+        models[f"exact V={v}"] = (exact_engine(copy.deepcopy(base), v), True)
+    steps = {}
+    for name, (model, exact) in models.items():
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        turn = itertools.cycle(batches)
+
+        def step(model=model, opt=opt, exact=exact, turn=turn) -> None:
+            x, y = next(turn)
+            # each mode with the process-wide setting it has (building an exact engine
+            # turned deterministic algorithms on for everyone)
+            torch.use_deterministic_algorithms(exact, warn_only=True)
+            opt.zero_grad()
+            if exact:
+                exact_loss(model, task, x, y)
+            else:
+                task.loss(model, x, y).backward()
+            opt.step()
+
+        steps[name] = step
+    return interleaved(steps, device, rounds=setup.size(5, 2), repeats=setup.size(8, 2),
+                       warmup=setup.size(2, 1))
+
+
+def exact(setup: Setup, report: Report, seconds_left: Callable[[], float]) -> None:
+    pair, one = setup.pair_layout(), setup.layout(1)
+    counts = (pair.world_size, 8)
+    what = f"{SGD_STEPS} SGD steps with dropout"
+    timed = pair.backend == setup.native  # not two ranks sharing one GPU through gloo
+    alone = run_ranks(exact_rank, one, (setup, counts, True), timeout_s=seconds_left())[0]
+    report.compare(f"exact V={counts[-1]}, {what}: 1 process, run again", one,
+                   difference(alone[f"V={counts[-1]} again"], alone[f"V={counts[-1]}"]))
+    _exact_timings(report, setup, one, alone)
+    results = run_ranks(exact_rank, pair, (setup, counts, timed), timeout_s=seconds_left())
+    for v in counts:
+        for rank, state in enumerate(results):
+            report.compare(f"exact V={v}, {what}: rank {rank} of {pair.world_size} vs 1 "
+                           "process", pair, difference(state[f"V={v}"], alone[f"V={v}"]))
+    if timed:
+        _exact_timings(report, setup, pair, results[0])
+
+
+def _exact_timings(report: Report, setup: Setup, layout: Layout, result: dict) -> None:
+    task = make_task("mlp", setup)
+    report.timing(f"{task.name} step, global batch {task.global_batch}", layout,
+                  result["times"], baseline="default")
