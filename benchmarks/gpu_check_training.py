@@ -28,15 +28,13 @@ from gpu_check_lib import (  # noqa: E402
     Layout,
     Report,
     Setup,
-    Task,
     difference,
     interleaved,
-    make_task,
-    parameter_count,
     run_ranks,
     state_of,
     versus_rank0,
 )
+from gpu_check_models import Task, make_task, parameter_count  # noqa: E402
 
 SGD_STEPS = 4
 
