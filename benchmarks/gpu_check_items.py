@@ -39,7 +39,6 @@ from gpu_check_lib import (  # noqa: E402
     difference,
     interleaved,
     one_line,
-    run_ranks,
 )
 from gpu_check_training import ddp_vs_torch, exact, step_time, zero  # noqa: E402
 
@@ -153,7 +152,7 @@ def _comm_times(setup: Setup, device: torch.device) -> dict:
 
 
 def _comm(layout: Layout, setup: Setup, report: Report, seconds_left) -> None:
-    results = run_ranks(comm_rank, layout, (setup,), timeout_s=seconds_left())
+    results = report.run(comm_rank, layout, (setup,), seconds_left)
     for algo in ALGOS:
         ours, refs, differing = [], [], []
         for rank, result in enumerate(results):

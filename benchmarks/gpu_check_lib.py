@@ -96,12 +96,15 @@ class Layout:
 
 
 def run_ranks(fn: Callable[..., Any], layout: Layout, args: tuple = (), *,
-              timeout_s: float, env: dict[str, str] | None = None) -> list[Any]:
+              timeout_s: float, env: dict[str, str] | None = None,
+              exit_problems: list[str] | None = None) -> list[Any]:
     """``fn(world, *args)`` on every rank of ``layout``; the values by rank.
 
     ``fn`` must be importable by name. ``env`` is set in each rank before ``fn`` runs
     (before torch touches the device). Raises :class:`CheckFailed` naming the first rank
-    that failed, or the ranks still running at ``timeout_s``.
+    that failed, or the ranks still running at ``timeout_s``. A rank that returned its
+    value and then did not exit cleanly (a crash or a hang in teardown) is told to
+    ``exit_problems``, and its value kept.
     """
     ctx = mp.get_context("forkserver")
     # torch.optim's first step imports torch._dynamo (a second or more): once, there
@@ -116,6 +119,7 @@ def run_ranks(fn: Callable[..., Any], layout: Layout, args: tuple = (), *,
             p.start()
         try:
             error = _wait(procs, reports, deadline)
+            exits = [] if error else _exits(procs)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -123,6 +127,8 @@ def run_ranks(fn: Callable[..., Any], layout: Layout, args: tuple = (), *,
                 p.join(timeout=10)
         if error:
             raise CheckFailed(f"{layout.label}: {error}")
+        if exit_problems is not None:
+            exit_problems.extend(f"{layout.label}: {problem}" for problem in exits)
         return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
                 for r in range(layout.world_size)]
 
@@ -130,6 +136,7 @@ def run_ranks(fn: Callable[..., Any], layout: Layout, args: tuple = (), *,
 def _wait(procs: list, reports, deadline: float) -> str | None:
     """None when every rank reported success, else what went wrong first."""
     done: set[int] = set()
+    dead_since: dict[int, float] = {}
     error, give_up = None, deadline
     while len(done) < len(procs) and time.monotonic() < give_up:
         try:
@@ -140,15 +147,32 @@ def _wait(procs: list, reports, deadline: float) -> str | None:
             done.add(rank)
             if message and error is None:
                 error, give_up = f"rank {rank}: {message}", time.monotonic() + _PEER_GRACE_S
+        now = time.monotonic()
         for r, p in enumerate(procs):
-            if r not in done and p.exitcode is not None and error is None:
-                # dead without a report: a signal (a crash in native code) or os._exit
+            if r in done or p.exitcode is None:
+                continue
+            # Dead without a report read yet: a report still in the pipe is read within
+            # this second; after it, the rank died (a signal, a crash in native code).
+            if now - dead_since.setdefault(r, now) > 1.0 and error is None:
                 error = f"rank {r} died with exit code {p.exitcode} without reporting"
-                give_up = time.monotonic() + _PEER_GRACE_S
+                give_up = now + _PEER_GRACE_S
     if error is None and len(done) < len(procs):
         late = [r for r in range(len(procs)) if r not in done]
         error = f"rank(s) {late} still running after the item's time limit: killed"
     return error
+
+
+def _exits(procs: list) -> list[str]:
+    """How the ranks that reported their values ended, where not with exit code 0."""
+    problems = []
+    for r, p in enumerate(procs):
+        p.join(timeout=_PEER_GRACE_S * 3)
+        if p.exitcode is None:
+            problems.append(f"rank {r} returned its value but had not exited "
+                            f"{_PEER_GRACE_S * 3:.0f} s later (killed)")
+        elif p.exitcode != 0:
+            problems.append(f"rank {r} returned its value, then exited with code {p.exitcode}")
+    return problems
 
 
 def _rank_main(fn, rank, layout, args, directory, env, timeout_s, reports) -> None:
@@ -206,6 +230,13 @@ class Report:
                                      f"{row['max_abs_diff']:.3g}, not bitwise")
         self.comparisons.append(row)
         return row["bitwise"]
+
+    def run(self, fn: Callable[..., Any], layout: Layout, args: tuple,
+            seconds_left: Callable[[], float], env: dict[str, str] | None = None) -> list:
+        """:func:`run_ranks` within the item's time left; a rank that does not exit
+        cleanly after returning its value fails the item (its value still counts)."""
+        return run_ranks(fn, layout, args, timeout_s=seconds_left(), env=env,
+                         exit_problems=self.failures)
 
     def require(self, condition: bool, message: str) -> None:
         if not condition:

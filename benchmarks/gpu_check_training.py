@@ -30,7 +30,6 @@ from gpu_check_lib import (  # noqa: E402
     Setup,
     difference,
     interleaved,
-    run_ranks,
     state_of,
     versus_rank0,
 )
@@ -72,7 +71,8 @@ def engines_rank(world: ddpkit.World, setup: Setup, keys: tuple[str, ...]) -> di
             model = ddpkit.DataParallel(module) if name == "ddpkit" else torch_ddp(module, device)
             train(model, task, world, SGD_STEPS)
             states[name] = state_of(model.module)
-            comm = getattr(model, "comm", comm)
+            if name == "ddpkit":
+                comm = model.comm
         out[key] = {"ddpkit": difference(states["ddpkit"], states["torch"]),
                     "control": difference(states["torch again"], states["torch"]),
                     "replica": versus_rank0(states["ddpkit"]), "comm": comm}
@@ -82,8 +82,8 @@ def engines_rank(world: ddpkit.World, setup: Setup, keys: tuple[str, ...]) -> di
 def ddp_vs_torch(setup: Setup, report: Report, seconds_left: Callable[[], float]) -> None:
     keys = ("mlp", "gpt")
     for layout in setup.native_layouts():
-        results = run_ranks(engines_rank, layout, (setup, keys), timeout_s=seconds_left(),
-                            env=DETERMINISTIC_ENV)
+        results = report.run(engines_rank, layout, (setup, keys), seconds_left,
+                             env=DETERMINISTIC_ENV)
         for key in keys:
             name = make_task(key, setup).name
             for rank, result in enumerate(results):
@@ -133,7 +133,7 @@ def _stepper(model: nn.Module, task: Task, batches: list) -> Callable[[], None]:
 def step_time(setup: Setup, report: Report, seconds_left: Callable[[], float]) -> None:
     keys = ("mlp", "gpt")
     for layout in setup.native_layouts():
-        results = run_ranks(step_time_rank, layout, (setup, keys), timeout_s=seconds_left())
+        results = report.run(step_time_rank, layout, (setup, keys), seconds_left)
         for key in keys:
             task = make_task(key, setup)
             per_rank = task.global_batch // layout.world_size
@@ -182,8 +182,8 @@ def zero_rank(world: ddpkit.World, setup: Setup, keys: tuple[str, ...]) -> dict:
 def zero(setup: Setup, report: Report, seconds_left: Callable[[], float]) -> None:
     keys = ("mlp", "gpt")
     for layout in (setup.layout(1), setup.pair_layout()):
-        results = run_ranks(zero_rank, layout, (setup, keys), timeout_s=seconds_left(),
-                            env=DETERMINISTIC_ENV)
+        results = report.run(zero_rank, layout, (setup, keys), seconds_left,
+                             env=DETERMINISTIC_ENV)
         for key in keys:
             name = make_task(key, setup).name
             for rank, result in enumerate(results):
@@ -219,8 +219,9 @@ def exact_rank(world: ddpkit.World, setup: Setup, slice_counts: tuple[int, ...],
     device = torch.device(world.device)
     task = make_task("dropout", setup)
     out = {}
-    # The bits first: exact mode pins the numerics when its engine is built, which
-    # must come before this process's first matrix product.
+    # The bits first: exact mode pins the numerics when its engine is built (cuBLAS's
+    # workspace setting included, which must come before this process's first matrix
+    # product), so this process starts with the environment a user's does.
     runs = [(f"V={v}", v) for v in slice_counts] + [(f"V={slice_counts[-1]} again",
                                                      slice_counts[-1])]
     for label, v in runs:
@@ -273,11 +274,11 @@ def exact(setup: Setup, report: Report, seconds_left: Callable[[], float]) -> No
     counts = (pair.world_size, 8)
     what = f"{SGD_STEPS} SGD steps with dropout"
     timed = pair.backend == setup.native  # not two ranks sharing one GPU through gloo
-    alone = run_ranks(exact_rank, one, (setup, counts, True), timeout_s=seconds_left())[0]
+    alone = report.run(exact_rank, one, (setup, counts, True), seconds_left)[0]
     report.compare(f"exact V={counts[-1]}, {what}: 1 process, run again", one,
                    difference(alone[f"V={counts[-1]} again"], alone[f"V={counts[-1]}"]))
     _exact_timings(report, setup, one, alone)
-    results = run_ranks(exact_rank, pair, (setup, counts, timed), timeout_s=seconds_left())
+    results = report.run(exact_rank, pair, (setup, counts, timed), seconds_left)
     for v in counts:
         for rank, state in enumerate(results):
             report.compare(f"exact V={v}, {what}: rank {rank} of {pair.world_size} vs 1 "
