@@ -235,6 +235,14 @@ def write_outputs(report: dict, out: Path) -> None:
     write_atomic(out / "gpu_check.md", markdown(report))
 
 
+def _table(columns: tuple[str, ...], rows: list[tuple]) -> list[str]:
+    """A markdown table after a blank line; nothing without rows."""
+    if not rows:
+        return []
+    return ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+            *("| " + " | ".join(_cell(v) for v in row) + " |" for row in rows)]
+
+
 def _cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
@@ -252,28 +260,22 @@ def markdown(report: dict) -> str:
              f"NCCL {env['nccl']}, cuDNN {env['cudnn']}); ddpkit {env['ddpkit']} (commit "
              f"{env['commit']}); Python {env['python']}, {env['cpus']} CPUs; "
              f"{report.get('seconds', 0):.0f} s, exit code {report.get('exit_code', '-')}; "
-             f"`{report['command']}`", "",
-             "| item | what | status | seconds |", "|---|---|---|---|"]
-    for e in report["items"]:
-        lines.append(f"| {e['name']} | {_cell(e['title'])} | {_cell(status_text(e))} | "
-                     f"{e.get('seconds', '-')} |")
-    comparisons = [(e["name"], c) for e in report["items"] for c in e.get("comparisons", [])]
-    if comparisons:
-        lines += ["", "| item | compared | layout | max abs diff | bitwise | why |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {n} | {_cell(c['what'])} | {c['layout']} | {_number(c['max_abs_diff'])} "
-                  f"| {'yes' if c['bitwise'] else 'no'} | {_cell(c.get('why', ''))} |"
-                  for n, c in comparisons]
-    timings = [(e["name"], t) for e in report["items"] for t in e.get("timings", [])]
-    if timings:
-        lines += ["", "| item | timed | layout | variant | median ms | x baseline |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {n} | {_cell(t['what'])} | {t['layout']} | {t['variant']} | "
-                  f"{_number(t['median_ms'])} | {_number(t['ratio'])} ({t['baseline']}) |"
-                  for n, t in timings]
-    facts = [(e["name"], k, v) for e in report["items"] for k, v in e.get("facts", {}).items()]
-    if facts:
-        lines += [""] + [f"- {n}: {k}: {_cell(v)}" for n, k, v in facts]
+             f"`{report['command']}`"]
+    items = report["items"]
+    lines += _table(("item", "what", "status", "seconds"),
+                    [(e["name"], e["title"], status_text(e), e.get("seconds", "-"))
+                     for e in items])
+    lines += _table(("item", "compared", "layout", "max abs diff", "bitwise", "why"),
+                    [(e["name"], c["what"], c["layout"], _number(c["max_abs_diff"]),
+                      "yes" if c["bitwise"] else "no", c.get("why", ""))
+                     for e in items for c in e.get("comparisons", [])])
+    lines += _table(("item", "timed", "layout", "variant", "median ms", "x baseline"),
+                    [(e["name"], t["what"], t["layout"], t["variant"],
+                      _number(t["median_ms"]), f"{_number(t['ratio'])} ({t['baseline']})")
+                     for e in items for t in e.get("timings", [])])
+    facts = [f"- {e['name']}: {k}: {_cell(v)}" for e in items
+             for k, v in e.get("facts", {}).items()]
+    lines += [""] + facts if facts else []
     return "\n".join(lines) + "\n"
 
 

@@ -15,6 +15,8 @@ import itertools
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,7 +46,7 @@ def torch_ddp(module: nn.Module, device: torch.device) -> DistributedDataParalle
 
 
 def train(model: nn.Module, task: Task, world: ddpkit.World, steps: int,
-          optimizer: Callable = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)) -> None:
+          optimizer: Callable[[Any], torch.optim.Optimizer]) -> None:
     device = torch.device(world.device)
     opt = optimizer(model.parameters())
     for step in range(steps):
@@ -54,47 +56,98 @@ def train(model: nn.Module, task: Task, world: ddpkit.World, steps: int,
         opt.step()
 
 
-# ------------------------------------------------- DataParallel against torch DDP: bits
+def sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def engines_rank(world: ddpkit.World, setup: Setup, keys: tuple[str, ...]) -> dict:
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+# ------------------------------------------------- bits: engines against a reference
+
+
+@dataclass(frozen=True)
+class Bits:
+    """Runs from the same weights on the same batches, compared bit for bit: each of
+    ``ours`` against ``reference``, which runs twice (the second run says whether the
+    kernels repeat themselves)."""
+
+    reference: str
+    ours: tuple[str, ...]
+    wrap: Callable[[str, nn.Module, torch.device, Setup], nn.Module]
+    optimizer: Callable[[Any], torch.optim.Optimizer]
+    steps: str  # what the optimizer steps are, for the record
+
+
+def _engines(name: str, module: nn.Module, device: torch.device, setup: Setup) -> nn.Module:
+    return ddpkit.DataParallel(module) if name == "DataParallel" else torch_ddp(module, device)
+
+
+def _sharded(name: str, module: nn.Module, device: torch.device, setup: Setup) -> nn.Module:
+    return ddpkit.DataParallel(module, shard=name.split("=")[1].strip("'"),
+                               bucket_cap_mb=setup.size(4, 0.01))
+
+
+BITS = {
+    "engines": Bits("torch DDP", ("DataParallel",), _engines, sgd, f"{SGD_STEPS} SGD steps"),
+    "zero": Bits("shard='none'", ("shard='gradients'", "shard='parameters'"), _sharded, adamw,
+                 f"{SGD_STEPS} AdamW steps"),
+}
+AGAIN = " run again"
+
+
+def bits_rank(world: ddpkit.World, setup: Setup, keys: tuple[str, ...], kind: str) -> dict:
+    """Each run of ``BITS[kind]`` on each model, and their differences (here, on the
+    device): against the reference, and against rank 0's."""
+    spec = BITS[kind]
     torch.use_deterministic_algorithms(True, warn_only=True)
     device = torch.device(world.device)
     out = {}
     for key in keys:
         task = make_task(key, setup)
-        torch.manual_seed(0)
-        base = task.build().to(device)
-        states, comm = {}, None
-        for name in ("torch", "ddpkit", "torch again"):
-            module = copy.deepcopy(base)
-            model = ddpkit.DataParallel(module) if name == "ddpkit" else torch_ddp(module, device)
-            train(model, task, world, SGD_STEPS)
-            states[name] = state_of(model.module)
-            if name == "ddpkit":
-                comm = model.comm
-        out[key] = {"ddpkit": difference(states["ddpkit"], states["torch"]),
-                    "control": difference(states["torch again"], states["torch"]),
-                    "replica": versus_rank0(states["ddpkit"]), "comm": comm}
+        states, found = {}, {}
+        for name in (spec.reference, *spec.ours, spec.reference + AGAIN):
+            torch.manual_seed(0)
+            model = spec.wrap(name.removesuffix(AGAIN), task.build().to(device), device, setup)
+            train(model, task, world, SGD_STEPS, spec.optimizer)
+            states[name] = state_of(model)
+            found[f"comm of {name}"] = getattr(model, "comm", None)
+        for name in (*spec.ours, spec.reference + AGAIN):
+            found[name] = difference(states[name], states[spec.reference])
+            found[f"{name} vs rank 0"] = versus_rank0(states[name])
+        out[key] = found
     return out
 
 
-def ddp_vs_torch(setup: Setup, report: Report, seconds_left: Callable[[], float]) -> None:
-    keys = ("mlp", "gpt")
-    for layout in setup.native_layouts():
-        results = report.run(engines_rank, layout, (setup, keys), seconds_left,
+def compare_bits(kind: str, layouts: list[Layout], setup: Setup, report: Report,
+                 seconds_left: Callable[[], float]) -> None:
+    spec, keys = BITS[kind], ("mlp", "gpt")
+    for layout in layouts:
+        results = report.run(bits_rank, layout, (setup, keys, kind), seconds_left,
                              env=DETERMINISTIC_ENV)
         for key in keys:
             name = make_task(key, setup).name
-            for rank, result in enumerate(results):
-                found = result[key]
-                report.compare(f"{name}: DataParallel vs torch DDP after {SGD_STEPS} SGD "
-                               f"steps, rank {rank}", layout, found["ddpkit"],
-                               control=found["control"], control_what="torch DDP run again")
-                if rank:
-                    report.compare(f"{name}: DataParallel, rank {rank} vs rank 0", layout,
-                                   found["replica"])
-            report.facts[f"DataParallel comm, {layout.label}"] = results[0][key]["comm"]
+            for rank, found in enumerate(r[key] for r in results):
+                for ours in spec.ours:
+                    report.compare(f"{name}: {ours} vs {spec.reference} after {spec.steps}, "
+                                   f"rank {rank}", layout, found[ours],
+                                   control=found[spec.reference + AGAIN],
+                                   control_what=spec.reference + AGAIN)
+                    if rank:
+                        report.compare(f"{name}: {ours}, rank {rank} vs rank 0", layout,
+                                       found[f"{ours} vs rank 0"])
+            comms = {k.removeprefix("comm of "): v for k, v in results[0][key].items()
+                     if k.startswith("comm of ") and v is not None}
+            report.facts[f"comm, {layout.label}"] = comms
+
+
+def ddp_vs_torch(setup: Setup, report: Report, seconds_left: Callable[[], float]) -> None:
+    compare_bits("engines", setup.native_layouts(), setup, report, seconds_left)
+
+
+def zero(setup: Setup, report: Report, seconds_left: Callable[[], float]) -> None:
+    compare_bits("zero", [setup.layout(1), setup.pair_layout()], setup, report, seconds_left)
 
 
 # ------------------------------------------------- step times
@@ -155,46 +208,6 @@ def _overhead(ms: float, base: float) -> str:
     return f"{100 * (ms / base - 1):+.1f}%"
 
 
-# ------------------------------------------------- ZeRO against the unsharded engine
-
-
-def zero_rank(world: ddpkit.World, setup: Setup, keys: tuple[str, ...]) -> dict:
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    device = torch.device(world.device)
-    out = {}
-    for key in keys:
-        task = make_task(key, setup)
-        states, comm = {}, None
-        for run in ("none", "gradients", "parameters", "none again"):
-            torch.manual_seed(0)
-            model = ddpkit.DataParallel(task.build().to(device), shard=run.split()[0],
-                                        bucket_cap_mb=setup.size(4, 0.01))
-            train(model, task, world, SGD_STEPS,
-                  optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01))
-            states[run] = state_of(model)
-            comm = model.comm
-        out[key] = {shard: difference(states[shard], states["none"])
-                    for shard in ("gradients", "parameters", "none again")}
-        out[key]["comm"] = comm
-    return out
-
-
-def zero(setup: Setup, report: Report, seconds_left: Callable[[], float]) -> None:
-    keys = ("mlp", "gpt")
-    for layout in (setup.layout(1), setup.pair_layout()):
-        results = report.run(zero_rank, layout, (setup, keys), seconds_left,
-                             env=DETERMINISTIC_ENV)
-        for key in keys:
-            name = make_task(key, setup).name
-            for rank, result in enumerate(results):
-                for shard in ("gradients", "parameters"):
-                    report.compare(f"{name}: shard={shard!r} vs 'none', AdamW {SGD_STEPS} "
-                                   f"steps, rank {rank}", layout, result[key][shard],
-                                   control=result[key]["none again"],
-                                   control_what="shard='none' run again")
-            report.facts[f"comm, {layout.label}"] = results[0][key]["comm"]
-
-
 # ------------------------------------------------- exact mode
 
 
@@ -227,7 +240,7 @@ def exact_rank(world: ddpkit.World, setup: Setup, slice_counts: tuple[int, ...],
     for label, v in runs:
         torch.manual_seed(0)
         model = exact_engine(task.build().to(device), v)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt = sgd(model.parameters())
         for step in range(SGD_STEPS):
             x, y = task.batch(step, world.rank, world.world_size, device)
             opt.zero_grad()
