@@ -54,6 +54,14 @@ DEFAULT_BUDGET_S = 450.0
 _WRITE_MARGIN_S = 8.0  # an item stops this long before its hard limit, to write its result
 
 
+class Stopped(Exception):
+    """SIGTERM (an outer ``timeout``) or Ctrl-C: the check ends, its files written."""
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped(f"the check was stopped by signal {signum} during this item")
+
+
 @dataclass(frozen=True)
 class Item:
     name: str
@@ -136,10 +144,12 @@ def run_item(item: Item, mode: str, gpus: int, limit_s: float, out: Path) -> dic
         try:
             code = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
             return {"status": "failed",
                     "error": f"killed at its hard time limit of {limit_s:.0f} s"}
+        finally:  # also when this process is stopped: nothing of the item outlives it
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     if result_file.exists():
         return json.loads(result_file.read_text())
     return {"status": "failed",
@@ -186,11 +196,34 @@ def main(argv: list[str] | None = None) -> int:
               "dry run" if args.dry_run else "cuda",
               "budget_s": args.budget, "environment": env, "items": []}
     no_device = mode == "cuda" and not env["cuda_available"]
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        run_plan(plan, report, args, mode, no_device, started, out)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    failed = any(e["status"] == "failed" for e in report["items"])
+    code = 2 if no_device and not args.dry_run else 1 if failed else 0
+    report["exit_code"] = code
+    write_outputs(report, out)
+    print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
+    if code == 2:
+        print("gpu_check: no CUDA device here, nothing was checked; --dry-run checks the "
+              "script, --rehearse-on-cpu runs its items on the CPU", file=sys.stderr)
+    return code
+
+
+def run_plan(plan: list[Item], report: dict, args, mode: str, no_device: bool,
+             started: float, out: Path) -> None:
+    """Each item in turn (or its reason to be skipped), the files rewritten after each."""
+    env = report["environment"]
+    stopped = None
     for item in plan:
         entry = {"name": item.name, "title": item.title, "budget_s": item.budget_s,
                  "timeout_s": item.timeout_s}
         used = time.monotonic() - started
-        if no_device:
+        if stopped:
+            entry.update(status="skipped", reason=stopped)
+        elif no_device:
             entry.update(status="skipped", reason="no CUDA device")
         elif args.dry_run:
             entry.update(status="skipped", reason="dry run")
@@ -202,22 +235,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{used:5.0f} s] {item.name}: {item.title} ...", flush=True)
             limit = min(item.timeout_s, args.budget - used)
             item_started = time.monotonic()
-            entry.update(run_item(item, mode, env["gpus"], limit, out))
+            try:
+                entry.update(run_item(item, mode, env["gpus"], limit, out))
+            except (Stopped, KeyboardInterrupt) as exc:
+                stopped = "the check was stopped before this item"
+                entry.update(status="failed", error=str(exc) or "stopped by Ctrl-C")
             entry["seconds"] = round(time.monotonic() - item_started, 1)
             entry["log"] = f"logs/{item.name}.log"
         print(f"          {item.name}: {status_text(entry)}", flush=True)
         report["items"].append(entry)
         report["seconds"] = round(time.monotonic() - started, 1)
         write_outputs(report, out)
-    failed = any(e["status"] == "failed" for e in report["items"])
-    code = 2 if no_device and not args.dry_run else 1 if failed else 0
-    report["exit_code"] = code
-    write_outputs(report, out)
-    print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'}")
-    if code == 2:
-        print("gpu_check: no CUDA device here, nothing was checked; --dry-run checks the "
-              "script, --rehearse-on-cpu runs its items on the CPU", file=sys.stderr)
-    return code
 
 
 def status_text(entry: dict) -> str:
