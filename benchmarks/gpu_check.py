@@ -99,7 +99,9 @@ def environment() -> dict:
                                    "capability": f"{props.major}.{props.minor}",
                                    "memory_gib": round(props.total_memory / 2**30, 1)})
         try:
-            env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            version = torch.cuda.nccl.version()  # a tuple; an int in older releases
+            env["nccl"] = (".".join(map(str, version)) if isinstance(version, tuple)
+                           else str(version))
         except Exception as exc:  # a torch built without NCCL: recorded, not fatal
             env["nccl"] = f"unavailable ({type(exc).__name__})"
         env["cudnn"] = torch.backends.cudnn.version()
