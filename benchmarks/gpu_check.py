@@ -18,9 +18,15 @@ the reason:
 * comm_gloo     - the same through gloo (two ranks; sharing the GPU where there is one);
 * main_job_bf16 - ``ddpkit train --precision bf16``: exit code, test accuracy, and that
                   the weights were trained on CUDA;
-* zero          - shard="gradients" and shard="parameters" bitwise against "none";
-* exact         - exact mode at V=W and V=8: W ranks end with one process's bits; its
-                  step time against the default mode's.
+* zero          - shard="gradients" and shard="parameters" bitwise against "none", at
+                  W=1 on NCCL and at W=2 (NCCL on two GPUs; on one, gloo sharing it);
+* exact         - exact mode at V=W and V=8 (W=2, placed as for zero): W ranks end with
+                  one process's bits, dropout included; its step time against the
+                  default mode's at W=1 (and W=2 on NCCL).
+
+The bitwise runs use torch's deterministic algorithms, and repeat their reference once:
+a difference that the repeated reference shows too is the kernels' (the "why"), not
+the engines'.
 
 Every item has a time budget and a hard time limit; no item starts when the run's
 budget (``--budget``) has less time left than the item's. Writes OUT/gpu_check.json,
@@ -31,7 +37,10 @@ with ``--dry-run`` or ``--rehearse-on-cpu`` there).
 ``--dry-run`` runs nothing: every item is reported skipped ("no CUDA device" here).
 ``--rehearse-on-cpu`` (a developer option, so that the script cannot rot on CPU-only
 machines) runs every item's code at tiny sizes on the CPU, with gloo in place of NCCL
-and CUDA hidden; bf16 autocast runs on the CPU. Its figures are not GPU results.
+and CUDA hidden; bf16 autocast runs on the CPU. Its figures are not GPU results, and
+what only a GPU shows it cannot: NCCL itself, gloo moving CUDA tensors, CUDA's random
+generators under exact mode, cuBLAS's determinism, ddpkit's buffers placed on the
+module's device, and ranks forked from the fork server initializing CUDA.
 """
 
 from __future__ import annotations
