@@ -73,10 +73,10 @@ def test_rehearsal_runs_every_item_and_the_bits_match(tmp_path):
     items = {e["name"]: e for e in report["items"]}
     logs = {n: (tmp_path / "logs" / f"{n}.log").read_text()[-3000:] for n in NAMES
             if (tmp_path / "logs" / f"{n}.log").exists()}
-    assert proc.returncode == 0, (proc.stdout + proc.stderr, logs)
     assert report["mode"] == "cpu rehearsal" and list(items) == NAMES
     for name, entry in items.items():
-        assert entry["status"] == "ok", (name, entry.get("error"), logs.get(name))
+        assert entry["status"] == "ok", f"{name}: {entry.get('error')}\n{logs.get(name)}"
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     for name in BITWISE_ITEMS:
         rows = items[name]["comparisons"]
         assert rows, name
