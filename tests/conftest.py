@@ -82,6 +82,7 @@ LAYERS = {
     "test_docs.py": E2E,
     "test_env_cmd.py": E2E,
     "test_exact_cli.py": E2E,
+    "test_gpu_check.py": E2E,
     "test_examples.py": E2E,
     "test_launch.py": E2E,
     "test_console.py": E2E,
@@ -148,6 +149,7 @@ SLOW = {
                       "test_slices_that_skip_a_branch_give_the_same_gradients_at_every_world_size"},
     "test_exact_cli.py": {
         "test_sigterm_at_two_ranks_then_resume_at_three_ends_with_one_process_bits"},
+    "test_gpu_check.py": {"test_rehearsal_runs_every_item_and_the_bits_match"},
     "test_examples.py": {"test_every_collective_under_launch_three_ranks",
                          "test_ddp_basic_spawn_keeps_replicas_identical"},
     "test_fault.py": {"test_barrier_timeout_names_the_sleeping_rank",
