@@ -35,6 +35,7 @@ LAYERS = {
     "test_checkpoint_damage.py": UNIT,
     "test_cli.py": UNIT,
     "test_layers.py": UNIT,
+    "test_suite_lists.py": UNIT,
     "test_metric_log.py": UNIT,
     "test_data_datasets.py": UNIT,
     "test_data_partition.py": UNIT,
@@ -201,6 +202,8 @@ SLOW = {
                             "test_full_disk_at_a_checkpoint_is_one_line_no_restart_and_no_debris",
                             "test_a_stopped_rank_is_named_within_the_timeout_and_every_process_"
                             "ends"},
+    # collects the files named here in a fresh interpreter
+    "test_suite_lists.py": {"test_every_slow_id_names_a_collected_test"},
     "test_train_recipe.py": {"test_user_factories_train_the_users_module_on_the_users_data"},
     "test_train_shard.py": {"test_sharded_run_equals_unsharded_with_half_the_optimizer_state",
                             "test_shard_with_the_torch_engine_is_one_line_exit_2"},
