@@ -9,9 +9,10 @@ Every test file belongs to one layer, given by the heaviest machinery its tests 
 * ``e2e``: ddpkit's CLI, its launcher or the example programs, run as a user runs them.
 
 ``slow`` (orthogonal to the layer) marks what ``pytest -m "not slow"`` leaves out to stay
-under a minute on a 2-core machine: the tests in SLOW below, measured here at 1.3 s or
-more each (mostly a fresh interpreter importing torch, or a timeout waited out) and the
-3- and 4-rank variants of sweeps also run on 2 ranks, plus those marked in place.
+under a minute on a 2-core machine: the tests in SLOW below, the suite's slowest by
+``--durations`` (mostly a fresh interpreter importing torch, or a timeout waited out),
+and the 3- and 4-rank variants of sweeps also run on 2 ranks, plus those marked in
+place. ``tests/test_suite_lists.py`` checks that every id in SLOW still names a test.
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ SLOW = {
                                 "test_census_every_cpu_ddp_test_of_torch_is_in_the_suite"},
     "test_torch_collective_suite.py": {"test_torch_collective_test_passes_with_ddpkit_comm",
                                        "test_census_every_cpu_collective_test_is_in_the_suite"},
-    # 1.4 s, nearly all of it the first import of torch._dynamo (by torch.optim.SGD).
+    # nearly all of its time is the first import of torch._dynamo (by torch.optim.SGD).
     "test_train_resume.py": {"test_workers_refuse_a_checkpoint_written_with_other_settings"},
 }
 REQUIRE_ALL = "DDPKIT_REQUIRE_ALL"  # .ci/run sets it to 1

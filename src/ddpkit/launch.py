@@ -20,9 +20,10 @@ choice open:
 
 ``ddpkit train``/``verify`` come in through :func:`launch` with :class:`LaunchOptions`,
 which become the same command line for the same agent. (Starting the workers without
-the agent on one node would save ~1.7 s of the main job's start-up, the launcher's own
-import of torch and the agent's monitor loop; we keep the real agent:
-nothing home-made where PyTorch has the part.)
+the agent on one node would shorten the main job's start-up by the launcher's own
+import of torch and the agent's monitor loop, as benchmarks/RESULTS-history.md's
+start-up section shows; we keep the real agent: nothing home-made where PyTorch has
+the part.)
 
 The launcher owns the terminal (``ddpkit.console``): rank 0 writes its
 progress to a file the launcher names in ``DDPKIT_PROGRESS_FILE``, and the launcher
