@@ -164,7 +164,7 @@ SLOW = {
                        "test_a_killed_rank_is_named_not_the_survivor_the_agent_stopped",
                        "test_unreachable_rendezvous_is_one_line_without_frame_dumps"},
     "test_console.py": {"test_train_users_factories_with_progress_lines_when_not_a_terminal",
-                             "test_train_progress_is_one_live_line_on_a_terminal"},
+                             "test_train_on_a_terminal_prints_lines_for_a_person_and_one_live_line"},
     "test_launch_torchrun.py": {"test_same_command_line_same_ranks_as_torchrun",
                                 "test_output_options_same_console_and_log_files",
                                 "test_failing_rank_is_named_with_its_role",
