@@ -35,6 +35,7 @@ LAYERS = {
     "test_bad_inputs.py": UNIT,
     "test_checkpoint_damage.py": UNIT,
     "test_cli.py": UNIT,
+    "test_doc_links.py": UNIT,
     "test_layers.py": UNIT,
     "test_suite_lists.py": UNIT,
     "test_metric_log.py": UNIT,
