@@ -9,9 +9,10 @@ Every test file belongs to one layer, given by the heaviest machinery its tests 
 * ``e2e``: ddpkit's CLI, its launcher or the example programs, run as a user runs them.
 
 ``slow`` (orthogonal to the layer) marks what ``pytest -m "not slow"`` leaves out to stay
-under a minute on a 2-core machine: the tests in SLOW below, measured here at 1.3 s or
-more each (mostly a fresh interpreter importing torch, or a timeout waited out) and the
-3- and 4-rank variants of sweeps also run on 2 ranks, plus those marked in place.
+under a minute on a 2-core machine: the tests in SLOW below, the suite's slowest by
+``--durations`` (mostly a fresh interpreter importing torch, or a timeout waited out),
+and the 3- and 4-rank variants of sweeps also run on 2 ranks, plus those marked in
+place. ``tests/test_suite_lists.py`` checks that every id in SLOW still names a test.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ LAYERS = {
     "test_bad_inputs.py": UNIT,
     "test_checkpoint_damage.py": UNIT,
     "test_cli.py": UNIT,
+    "test_doc_links.py": UNIT,
     "test_layers.py": UNIT,
+    "test_suite_lists.py": UNIT,
     "test_metric_log.py": UNIT,
     "test_data_datasets.py": UNIT,
     "test_data_partition.py": UNIT,
@@ -164,7 +167,7 @@ SLOW = {
                        "test_a_killed_rank_is_named_not_the_survivor_the_agent_stopped",
                        "test_unreachable_rendezvous_is_one_line_without_frame_dumps"},
     "test_console.py": {"test_train_users_factories_with_progress_lines_when_not_a_terminal",
-                             "test_train_progress_is_one_live_line_on_a_terminal"},
+                             "test_train_on_a_terminal_prints_lines_for_a_person_and_one_live_line"},
     "test_launch_torchrun.py": {"test_same_command_line_same_ranks_as_torchrun",
                                 "test_output_options_same_console_and_log_files",
                                 "test_failing_rank_is_named_with_its_role",
@@ -203,6 +206,8 @@ SLOW = {
                             "test_full_disk_at_a_checkpoint_is_one_line_no_restart_and_no_debris",
                             "test_a_stopped_rank_is_named_within_the_timeout_and_every_process_"
                             "ends"},
+    # collects the files named here in a fresh interpreter
+    "test_suite_lists.py": {"test_every_slow_id_names_a_collected_test"},
     "test_train_recipe.py": {"test_user_factories_train_the_users_module_on_the_users_data"},
     "test_train_shard.py": {"test_sharded_run_equals_unsharded_with_half_the_optimizer_state",
                             "test_shard_with_the_torch_engine_is_one_line_exit_2"},
@@ -216,7 +221,7 @@ SLOW = {
                                 "test_census_every_cpu_ddp_test_of_torch_is_in_the_suite"},
     "test_torch_collective_suite.py": {"test_torch_collective_test_passes_with_ddpkit_comm",
                                        "test_census_every_cpu_collective_test_is_in_the_suite"},
-    # 1.4 s, nearly all of it the first import of torch._dynamo (by torch.optim.SGD).
+    # nearly all of its time is the first import of torch._dynamo (by torch.optim.SGD).
     "test_train_resume.py": {"test_workers_refuse_a_checkpoint_written_with_other_settings"},
 }
 REQUIRE_ALL = "DDPKIT_REQUIRE_ALL"  # .ci/run sets it to 1

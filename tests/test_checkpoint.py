@@ -117,9 +117,12 @@ def test_full_state_round_trip_is_exact(tmp_path):
     assert info == {"step": 3, "epoch": 1, "world_size": 1, "rng_restored": True}
     for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
         assert torch.equal(a, b), k
-    for key, st in opt.state_dict()["state"].items():
+    saved_state, restored_state = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert saved_state and saved_state.keys() == restored_state.keys()
+    for key, st in saved_state.items():
+        assert st.keys() == restored_state[key].keys() and "exp_avg" in st
         for name, value in st.items():
-            assert torch.equal(value, opt2.state_dict()["state"][key][name])
+            assert torch.equal(value, restored_state[key][name])
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     assert sched2.state_dict() == sched.state_dict()
     assert sampler2.position == 40

@@ -66,9 +66,11 @@ def reports() -> dict[str, list]:
     return dict(zip(JOBS, json.loads(proc.stdout.strip().splitlines()[-1])))
 
 
-def assert_clean(report: list, runs: int) -> None:
+def assert_clean(report: list, runs: int, nranks: int) -> None:
     assert len(report) == runs, f"{len(report)} runs reported, {runs} started"
     for i, run in enumerate(report):
+        assert len(run["codes"]) == len(run["threads"]) == len(run["tails"]) == nranks, (
+            f"run {i}: {len(run['codes'])} ranks reported, {nranks} started")
         for rank, (code, threads, tail) in enumerate(
                 zip(run["codes"], run["threads"], run["tails"])):
             assert code == 0, f"run {i} rank {rank} exited {code}:\n{tail}"
@@ -80,9 +82,9 @@ def assert_clean(report: list, runs: int) -> None:
 
 @pytest.mark.parametrize("job", [job for job, spec in JOBS.items() if spec[4] == 1])
 def test_no_process_group_thread_is_left_at_exit(reports, job):
-    assert_clean(reports[job], 1)
+    assert_clean(reports[job], 1, JOBS[job][1])
 
 
 @pytest.mark.parametrize("job", [job for job, spec in JOBS.items() if spec[4] == RUNS])
 def test_repeated_runs_exit_clean(reports, job):
-    assert_clean(reports[job], RUNS)
+    assert_clean(reports[job], RUNS, JOBS[job][1])

@@ -4,6 +4,7 @@ for every option, and every mistake is one line naming the command and the optio
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -24,6 +25,20 @@ def parsers(parser: argparse.ArgumentParser):
 ALL = list(parsers(cli.build_parser()))
 
 
+def command_paths(parser: argparse.ArgumentParser, path=()):
+    """Every command line that ends in --help: (), ("train",), ("plan", "project"), ..."""
+    yield path
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                yield from command_paths(child, (*path, name))
+
+
+COMMAND_PATHS = list(command_paths(cli.build_parser()))
+# reST literals and roles, Markdown code spans and emphasis: what a terminal shows raw.
+MARKUP = re.compile(r"`|:(?:class|func|mod|meth|data|attr|exc|obj):|\*\*")
+
+
 @pytest.mark.parametrize("parser", ALL, ids=[p.prog for p in ALL])
 def test_every_option_has_a_description_and_a_default(parser):
     formatter = parser._get_formatter()
@@ -41,6 +56,26 @@ def test_help_is_plain_text_with_a_description(parser):
     assert "``" not in text and ":mod:" not in text and ":class:" not in text, parser.prog
     if parser.prog != "ddpkit launch":  # torchrun's own help, printed by its parser
         assert parser.description, parser.prog
+
+
+@pytest.mark.parametrize("path", COMMAND_PATHS,
+                         ids=[" ".join(p) or "ddpkit" for p in COMMAND_PATHS])
+def test_printed_help_has_no_markup(path, capsys):
+    """What `ddpkit ... --help` prints, torchrun's own help under `ddpkit launch` included."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main([*path, "--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: ")
+    marked = [line.strip() for line in text.splitlines() if MARKUP.search(line)]
+    assert marked == [], (path, marked)
+
+
+def test_plain_strips_every_kind_of_markup():
+    assert cli.plain("``--rdzv-backend=static``, :func:`~ddpkit.init`, `ddpkit train`") == (
+        "--rdzv-backend=static, ddpkit.init, 'ddpkit train'")
+    assert not MARKUP.search(cli.plain(":class:`World` and ``x``"))
+    assert MARKUP.search("``x``") and MARKUP.search(":func:`f`") and MARKUP.search("**x**")
 
 
 def test_help_formatter_says_defaults():

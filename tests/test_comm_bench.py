@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from ddpkit.bench import collectives as bench
+from ddpkit.bench import collective_timing as bench
 from ddpkit.cli import main as cli_main
 from ddpkit.errors import ConfigError
 

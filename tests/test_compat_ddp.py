@@ -66,6 +66,7 @@ ADAM_AMPLIFIED = {"gpt_tied_weights": 1e-3}
 def test_torch_ddp_scripts_at_three_ranks_with_defaults_agree_to_rounding(pools):
     results = pools(3).run(run_scripts, sorted(scripts.SCRIPTS), timeout=300)
     for rank, per_rank in enumerate(results):
+        assert sorted(per_rank) == sorted(scripts.SCRIPTS), rank
         for name, (_, same_keys, diff, _) in per_rank.items():
             assert same_keys, f"{name}: state_dict keys differ between engines"
             bound = ADAM_AMPLIFIED.get(name, 1e-6)

@@ -1,19 +1,25 @@
 """The launcher's console: rank 0's progress reaches the launcher through a file and is
-drawn as a live status line on a terminal, as plain periodic lines otherwise."""
+drawn as a live status line on a terminal, as plain periodic lines otherwise; on a
+terminal `ddpkit train` prints lines for a person, none wider than 100 columns."""
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
 import os
 import pty
 import re
 import select
+import struct
 import subprocess
 import sys
+import termios
+from pathlib import Path
 
 from conftest import ROOT
-from ddpkit.console import Console, describe
+from ddpkit import console as console_mod
+from ddpkit.console import MAX_COLUMNS, Console, columns, describe
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -33,6 +39,37 @@ def test_console_on_a_terminal_redraws_one_status_line_below_the_output():
     assert out.getvalue() == "[default0]:hello\n"
     console.close()
     assert err.getvalue().endswith("\r\x1b[K")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_rank_0s_lines_lose_the_tee_prefix_and_other_ranks_keep_theirs():
+    term, piped = _Terminal(), io.StringIO()
+    console = Console(stdout=term, stderr=term, tty=True, plain_prefix="[default0]:")
+    console.write(term, "[default0]:epoch 1/2: train loss 0.5\n[default1]:Traceback\n")
+    console.write(piped, "[default0]:to a file\n")  # not a terminal: every prefix stays
+    assert term.getvalue() == "epoch 1/2: train loss 0.5\n[default1]:Traceback\n"
+    assert piped.getvalue() == "[default0]:to a file\n"
+    kept = _Terminal()
+    Console(stdout=kept, stderr=kept, tty=True).write(kept, "[default0]:ddpkit launch\n")
+    assert kept.getvalue() == "[default0]:ddpkit launch\n"  # without plain_prefix
+
+
+def test_the_status_line_fits_the_terminal_and_never_exceeds_100_columns(monkeypatch):
+    record = {"step": 5, "total_steps": 10, "epoch": 1, "epochs": 2, "samples_per_s": 1e6,
+              "loss": 0.5, "peak_rss_mib": [1000 + r for r in range(64)], "eta_s": 1.0}
+    assert describe(record, 1.0).count("peak RSS 1063 MiB") == 1  # the highest rank's
+    for width, fits in ((300, MAX_COLUMNS), (60, 60)):
+        monkeypatch.setattr(console_mod.os, "get_terminal_size",
+                            lambda fd, w=width: os.terminal_size((w, 24)))
+        assert columns() == fits
+        err = io.StringIO()
+        console = Console(stderr=err, tty=True)
+        console.show({**record, "epochs": 10**60}, now=1.0)  # a status far too long
+        assert 0 < len(err.getvalue().split("\r\x1b[K")[-1]) == fits - 1
 
 
 def test_console_off_a_terminal_prints_a_line_per_n_steps_with_a_real_eta():
@@ -61,8 +98,8 @@ def test_plain_lines_default_to_a_tenth_of_the_run_and_prefer_rank_0s_eta():
     assert len(lines) == 10 and lines[0].startswith("progress: step 10/100")
     assert lines[0].endswith("ETA 1m30s") and lines[-1].endswith("ETA 0s")
     assert describe({"step": 3}, None) == "step 3 | ETA ?"  # a terminal's first redraw
-    assert describe({"step": 3, "peak_rss_mib": [412, 405]}, None) == (
-        "step 3 | peak RSS 412/405 MiB | ETA ?")
+    assert describe({"step": 3, "peak_rss_mib": [405, 412]}, None) == (
+        "step 3 | peak RSS 412 MiB | ETA ?")
 
 
 def _train(tmp_path, *argv, **env):
@@ -87,7 +124,7 @@ def test_train_users_factories_with_progress_lines_when_not_a_terminal(tmp_path)
     progress = [line for line in proc.stderr.splitlines() if line.startswith("progress: ")]
     assert progress, proc.stderr[-3000:]
     assert re.fullmatch(r"progress: epoch 4/4 \| step 32/32 \(100%\) \| [\d,]+ samples/s \| "
-                        r"loss \d+\.\d{4} \| peak RSS \d+/\d+ MiB \| ETA 0s", progress[-1]), \
+                        r"loss \d+\.\d{4} \| peak RSS \d+ MiB \| ETA 0s", progress[-1]), \
         progress[-1]
     assert all(re.search(r"\| ETA \d+(s|m\d\ds)$", line) for line in progress), progress
     steps = [int(re.search(r"step (\d+)/", line).group(1)) for line in progress]
@@ -95,13 +132,15 @@ def test_train_users_factories_with_progress_lines_when_not_a_terminal(tmp_path)
     assert "\r" not in proc.stderr
 
 
-def test_train_progress_is_one_live_line_on_a_terminal(tmp_path):
+def _on_a_terminal(argv: list[str], columns: int, cwd: Path) -> tuple[int, str]:
+    """Run ``ddpkit ARGV`` in ``cwd`` with stdout and stderr on a pseudo-terminal
+    ``columns`` wide; its exit code and everything it wrote there."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ddpkit.cli", "train", "--out-dir", str(tmp_path), "--data",
-         "synthetic", "--synthetic-size", "512", "--epochs", "3", "--hidden", "16"],
-        stdout=subprocess.DEVNULL, stderr=slave, cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DDPKIT_")}
+    proc = subprocess.Popen([sys.executable, "-m", "ddpkit.cli", *argv], stdout=slave,
+                            stderr=slave, stdin=subprocess.DEVNULL, cwd=cwd,
+                            env={**env, "OMP_NUM_THREADS": "1"})
     os.close(slave)
     chunks = []
     while True:
@@ -117,11 +156,40 @@ def test_train_progress_is_one_live_line_on_a_terminal(tmp_path):
             break
         chunks.append(data)
     os.close(master)
-    assert proc.wait(timeout=60) == 0
-    text = b"".join(chunks).decode(errors="replace")
+    return proc.wait(timeout=60), b"".join(chunks).decode(errors="replace")
+
+
+def test_train_on_a_terminal_prints_lines_for_a_person_and_one_live_line(tmp_path):
+    """What a newcomer sees: every line within 100 columns on a wider terminal, rank 0's
+    lines without the launcher's prefix, the clock or the level; the per-rank detail in
+    the run's train.log; the progress as one status line redrawn in place. (Run where a
+    newcomer runs it, its runs/ under the current directory: a path longer than a line
+    is printed whole, never cut.)"""
+    code, text = _on_a_terminal(
+        ["train", "--data", "synthetic", "--synthetic-size", "512", "--epochs", "3",
+         "--hidden", "16"], columns=120, cwd=tmp_path)
+    assert code == 0, text[-3000:]
     drawn = re.findall(r"\r\x1b\[K(epoch \d/3 \| step \d+/12 [^\r\n]*)", text)
     assert drawn and "step 12/12 (100%)" in drawn[-1], text[-2000:]
     assert "progress: " not in text  # no plain lines on a terminal
-    # Worker lines still arrive whole, prefixed, and the status is cleared at the end.
-    assert "[default0]:" in text and "done: test accuracy" in text
-    assert text.endswith("\r\x1b[K")
+    assert text.endswith("\r\x1b[K")  # the status is cleared at the end
+    # Every stretch of text the terminal shows on one row (between \r and \n).
+    rows = [part.replace("\x1b[K", "") for line in text.split("\r\n") for part in
+            line.split("\r")]
+    assert max(len(row) for row in rows) <= 100, max(rows, key=len)
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    epochs = [row for row in rows if row.startswith("epoch ") and ": train loss" in row]
+    assert [row.split(":")[0] for row in epochs] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"]
+    assert "done: test accuracy" in text
+    assert f"run directory: {run_dir.relative_to(tmp_path)}" in text
+    assert "[default" not in text and "[rank 0]" not in text and " INFO " not in text
+    assert not [row for row in rows if re.match(r"\d\d:\d\d:\d\d ", row)]
+    assert "by rank" not in text  # the per-rank detail is in the run's log instead
+    log = (run_dir / "train.log").read_text().splitlines()
+    assert len(log) == 3 and all(re.fullmatch(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d epoch \d/3: train loss .* \| "
+        r"loss by rank \[\d+\.\d{4}, \d+\.\d{4}\] \| peak RSS by rank \[\d+, \d+\] MiB",
+        line) for line in log), log
+    # the terminal's epoch line, then the detail
+    assert all(line.split(" ", 2)[2].startswith(row + " | loss by rank [")
+               for row, line in zip(epochs, log, strict=True)), (epochs, log)

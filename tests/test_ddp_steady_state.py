@@ -171,6 +171,7 @@ def test_uneven_inputs_under_join_shm_equals_backend(pools, world_size):
     for rank in range(world_size):
         assert all(torch.equal(a, b) for a, b in zip(shm[rank], shm[0])), rank
         # W=2: two addends, any order is exact; W=3 sums may differ in the last bit
+        assert len(shm[rank]) == len(backend[rank]) > 0, rank
         for a, b in zip(shm[rank], backend[rank]):
             if world_size == 2:
                 assert torch.equal(a, b), rank

@@ -161,6 +161,11 @@ def test_root_cause_is_the_raiser_even_when_the_agent_stopped_it_while_it_wound_
     line = capsys.readouterr().err.strip()
     assert line == ("ddpkit launch: rank 1 failed first (then stopped by SIGTERM, pid 1001); "
                     "its traceback is above, prefixed [default1]; ranks [0] failed after it")
+    # ddpkit train on a terminal shows local rank 0's lines without their prefix
+    assert report_failure({0: failures[0]}, "default", plain_rank0=True) == 1
+    assert capsys.readouterr().err.strip().endswith("its traceback is above, not prefixed")
+    assert report_failure(failures, "default", plain_rank0=True) == 1
+    assert "prefixed [default1]" in capsys.readouterr().err  # rank 1 keeps its prefix
     # The other way round: rank 1 exited first, and rank 0, whose barrier broke, was
     # SIGTERMed after recording that; the lost connection is still not the cause.
     failures = {0: _failure(-15, message="Connection closed by peer", recorded=True),

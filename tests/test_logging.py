@@ -7,7 +7,8 @@ import sys
 
 
 def _run(code: str, env_extra=None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "DDPKIT_CLI_LOGGING"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DDPKIT_CLI_LOGGING", "DDPKIT_TERMINAL_COLUMNS")}
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=120)
@@ -54,3 +55,29 @@ def test_cli_marked_processes_log_to_stderr():
     )
     assert out.returncode == 0, out.stderr
     assert "INFO [rank 0] worker says hi" in out.stderr
+
+
+def test_workers_of_a_launcher_on_a_terminal_log_the_message_alone_fitted_to_it():
+    out = _run(
+        "import ddpkit\nfrom ddpkit.log import get_logger\n"
+        "get_logger('ddpkit.w').info('worker says hi')\n"
+        "get_logger('ddpkit.w').warning('checkpoints are disabled: starting from step 0')\n",
+        {"DDPKIT_CLI_LOGGING": "1", "DDPKIT_TERMINAL_COLUMNS": "30"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.splitlines() == [
+        "worker says hi", "warning: checkpoints are", "  disabled: starting from step",
+        "  0"]
+
+
+def test_the_terminal_formatter_keeps_other_ranks_names_and_whole_words():
+    from ddpkit.log import TerminalFormatter
+
+    def line(msg: str, level=logging.INFO) -> str:
+        return TerminalFormatter(40).format(
+            logging.LogRecord("ddpkit", level, "", 0, msg, None, None))
+
+    assert line("[rank 0] epoch 1/2: train loss 0.5") == "epoch 1/2: train loss 0.5"
+    assert line("[rank 1] stopped", logging.ERROR) == "error: [rank 1] stopped"
+    path = "/a/" + "b" * 60
+    assert line(f"[rank 0] run directory: {path}") == f"run directory:\n  {path}"

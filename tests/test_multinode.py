@@ -82,7 +82,7 @@ def assert_same_training(got_out: Path, want_out: Path) -> None:
     model.pt), which holds only if every rank saw the right shard and every gradient sum
     came out the same; and the same per-epoch losses and accuracies, as floats."""
     got, want = final_model(got_out), final_model(want_out)
-    assert sorted(got) == sorted(want)
+    assert sorted(got) == sorted(want) and want
     differ = [key for key in want if not torch.equal(got[key], want[key])]
     assert not differ, f"final parameters differ from the one-node run in {differ}"
     got_epochs, want_epochs = train_results(got_out), train_results(want_out)

@@ -70,7 +70,7 @@ def _run(run_dir: Path, *launch: str, **env: str) -> tuple[int, str]:
 def _assert_same_params(run: Path, reference: Path) -> None:
     mine = torch.load(run / "model.pt", weights_only=True)
     ref = torch.load(reference / "model.pt", weights_only=True)
-    assert mine.keys() == ref.keys()
+    assert mine.keys() == ref.keys() and ref
     for key in ref:
         assert torch.equal(mine[key], ref[key]), f"{key} differs from the uninterrupted run"
 

@@ -20,6 +20,8 @@ from ddpkit.plan.model import (
     DDP_MEMORY_PASSES,
     DDP_PER_TENSOR_S,
     DEVICES,
+    DGX1_NVLINKS,
+    PRESETS,
     Cluster,
     Link,
     StepModel,
@@ -66,6 +68,22 @@ def test_cluster_links():
         allreduce_time(1e8, two, a) for a in ("ring", "tree", "hierarchical"))
     with pytest.raises(ConfigError, match="unknown all-reduce algorithm"):
         allreduce_time(1.0, two, "butterfly")
+
+
+def test_a_mesh_gives_a_few_gpus_only_the_links_among_them():
+    nvlink2 = PRESETS["nvlink2"]
+    assert all(sum(row) == 6 for row in DGX1_NVLINKS)  # six NVLinks per V100
+    assert all(DGX1_NVLINKS[i][j] == DGX1_NVLINKS[j][i] for i in range(8) for j in range(8))
+    # GPUs 0-1: one link; 0-2: GPU 0 has two links to the others; 0-3: four; all: six
+    assert [nvlink2.among(g).bandwidth_Bps for g in (2, 3, 4, 8)] == [25e9, 50e9, 100e9, 150e9]
+    assert nvlink2.among(1) is nvlink2 and FAST.among(2) is FAST  # a switch: no mesh
+    two_gpus = Cluster(1, 2, nvlink2, SLOW)
+    assert two_gpus.flat_link().bandwidth_Bps == 25e9
+    assert allreduce_time(1e8, two_gpus, "ring") == pytest.approx(ring_time(1e8, 2, Link(
+        "one NVLink", 2e-6, 25e9)))
+    # across nodes every GPU of a node takes part: the whole mesh
+    two_nodes = Cluster(2, 8, nvlink2, SLOW, nics_per_node=4)
+    assert two_nodes.intra_link().bandwidth_Bps == 150e9
 
 
 def test_latency_dominates_ring_at_scale_tree_does_not():
@@ -279,7 +297,9 @@ def test_published_torch_ddp_rows_within_three_percent():
     rows = published.read_rows(PUBLISHED_CSV)
     assert {r.model for r in rows} >= {"resnet50", "resnext50_32x4d"}
     for row in rows:
-        for c in published.predict(row):
+        predicted = published.predict(row)
+        assert [c.gpus for c in predicted] == [1, 2, 4, 8, 16], row.model
+        for c in predicted:
             assert abs(c.error) <= 0.03, (c, published.command(row))
 
 

@@ -210,6 +210,7 @@ def test_a_requeued_job_resumes_its_run_directory(tmp_path, fake_slurm):
     tasks = recorded_tasks(tmp_path, fake_slurm, dict(
         nodes=2, gpus_per_node=0, tasks_per_node=1,
         command=("train", "--out-dir", str(runs))), SLURM_RESTART_COUNT="1")
+    assert len(tasks) == 2  # one task per node
     for task in tasks:
         assert task["argv"][-2:] == ["--resume", str(runs / f"slurm-job-{JOB_ID}")]
 

@@ -22,7 +22,8 @@ def _one_epoch_in_pool(world, cfg_dict):
 def test_ddpkit_train_two_processes_one_epoch(default_train_run, pools):
     proc, run_dir = default_train_run  # default engine: ddpkit
     assert sorted(p.name for p in run_dir.iterdir()) == [
-        "checkpoints", "config.json", "curves.png", "metrics.jsonl", "model.pt", "summary.json"]
+        "checkpoints", "config.json", "curves.png", "metrics.jsonl", "model.pt", "summary.json",
+        "train.log"]
     # One checkpoint at the epoch's end, the final one, holding the final model.
     manifest = json.loads((run_dir / "checkpoints" / "step_000000012.json").read_text())
     assert manifest["reason"] == "final" and manifest["world_size"] == 2
@@ -41,7 +42,10 @@ def test_ddpkit_train_two_processes_one_epoch(default_train_run, pools):
     assert 0.5 < record["test_acc"] <= 1 and 0 < record["train_loss"] < 2.31
     assert summary["final_test_acc"] == record["test_acc"] and summary["world_size"] == 2
     assert summary["epochs"] == 1 and summary["steps"] == 12 and summary["engine"] == "ddpkit"
-    assert "epoch 1/1: train loss" in proc.stderr and "loss by rank [" in proc.stderr
+    assert "epoch 1/1: train loss" in proc.stderr and "loss by rank" not in proc.stderr
+    (line,) = (run_dir / "train.log").read_text().splitlines()  # the per-rank detail
+    ranks = ", ".join(f"{v:.4f}" for v in record["rank_train_loss"])
+    assert "epoch 1/1: train loss" in line and f"| loss by rank [{ranks}] |" in line
     # The launched run is the same computation as the same config on 2 pooled ranks.
     cfg = resolve({"epochs": 1, "seed": 7, "threads": 1})
     pooled = pools(2).run(_one_epoch_in_pool, cfg.to_dict())

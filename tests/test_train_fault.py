@@ -87,7 +87,7 @@ def _final_params(run: Path) -> dict[str, torch.Tensor]:
 
 def _assert_same_params(run: Path, reference: Path) -> None:
     mine, ref = _final_params(run), _final_params(reference)
-    assert mine.keys() == ref.keys()
+    assert mine.keys() == ref.keys() and ref
     for key in ref:
         assert torch.equal(mine[key], ref[key]), f"{key} differs from the uninterrupted run"
 

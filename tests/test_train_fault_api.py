@@ -75,6 +75,7 @@ def test_resume_at_another_world_size_keeps_data_position_and_optimizer(pools, t
     assert info["world_size"] == 2 and not info["rng_restored"]
     assert info["step"] == 6 and info["position"] == 6 * 32  # the very next global batch
     restored, written = info["optimizer"]["state"], saved["optimizer"]["state"]
+    assert written and restored.keys() == written.keys()  # momentum was saved and restored
     for mine, theirs in zip(restored.values(), written.values(), strict=True):
         assert torch.equal(mine["momentum_buffer"], theirs["momentum_buffer"])
     assert any("written by 2 ranks, this run has 1" in line and "differ in the last bits" in line

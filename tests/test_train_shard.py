@@ -37,7 +37,10 @@ def test_sharded_run_equals_unsharded_with_half_the_optimizer_state(default_trai
     assert len(summary["rank_peak_rss_mib"]) == 2 and min(summary["rank_peak_rss_mib"]) > 50
     (record,) = read_jsonl(run_dir / "metrics.jsonl")
     assert len(record["rank_peak_rss_mib"]) == 2
-    assert "peak RSS by rank [" in stderr
+    assert "peak RSS by rank [" not in stderr  # in the run's log instead
+    (line,) = (run_dir / "train.log").read_text().splitlines()
+    memory = ", ".join(f"{v:.0f}" for v in record["rank_peak_rss_mib"])
+    assert line.endswith(f"| peak RSS by rank [{memory}] MiB"), line
     config = json.loads((run_dir / "config.json").read_text())
     assert config["train"]["shard"] == "parameters"
     files = sorted(p.name for p in (run_dir / "checkpoints").iterdir())

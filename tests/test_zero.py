@@ -119,6 +119,8 @@ def test_clip_grad_norm_over_shards_matches_torch(pools):
         assert r["optimizer"]["norms"] == r["none"]["norms"]
         # over shards the norm is summed in another grouping: equal within rounding
         for mode in ("gradients", "parameters"):
+            assert len(r[mode]["norms"]) == len(r["none"]["norms"]) > 0, mode
+            assert len(r[mode]["state"]) == len(r["none"]["state"]) > 0, mode
             for a, b in zip(r[mode]["norms"], r["none"]["norms"]):
                 assert abs(a - b) <= 1e-5 * b
             for a, b in zip(r[mode]["state"], r["none"]["state"]):

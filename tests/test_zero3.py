@@ -75,6 +75,7 @@ def test_only_the_running_layer_is_gathered(pools):
         assert r["buckets"] == 4  # one per layer: the gathering unit is the bucket
         assert r["always"] == []  # every weight is used inside its own layer
         # (the last step's trace: the first forward ran with everything resident)
+        assert len(r["forward"]) == 4, r["forward"]
         for bucket, resident in r["forward"]:
             assert resident == list(bucket), (bucket, resident)
         for bucket, resident in r["backward"]:

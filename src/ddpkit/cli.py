@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 from ddpkit.errors import DdpkitError
+from ddpkit.help_text import plain
 
 # Order here is the order in `ddpkit --help`.
 COMMANDS = ("train", "verify", "launch", "topology", "bench", "plan", "slurm", "env")
@@ -26,14 +27,6 @@ def package_version() -> str:
         return version("ddpkit")
     except PackageNotFoundError:  # a source tree that was never installed
         return "unknown"
-
-
-_MARKUP = re.compile(r"``([^`]+?)``|:(?:class|func|mod|meth|data):`~?([^`]+)`")
-
-
-def plain(text: str) -> str:
-    """Help text without reStructuredText markup (``code``, :mod:`name`)."""
-    return _MARKUP.sub(lambda m: m.group(1) or m.group(2), text)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

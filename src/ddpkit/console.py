@@ -11,6 +11,11 @@ appends small JSON records to the file named by :data:`PROGRESS_ENV` (see
   run), each with samples/s and the time left, so logs and CI output get progress
   without carriage-return clutter.
 
+On a terminal nothing is drawn wider than :data:`MAX_COLUMNS` (or the terminal, when
+narrower), and a console made with ``plain_prefix`` (``ddpkit train``) shows rank 0's
+lines without the tee's prefix: rank 0 speaks for the job, so its lines need no name,
+while another rank's lines (a traceback, a warning of its own) keep theirs.
+
 Nothing here imports torch.
 """
 
@@ -27,6 +32,7 @@ from typing import Any, TextIO
 PROGRESS_ENV = "DDPKIT_PROGRESS_FILE"  # where rank 0 appends its progress records
 EVERY_STEPS_ENV = "DDPKIT_PROGRESS_EVERY_STEPS"  # steps between plain lines (not a terminal)
 PLAIN_LINES = 10  # plain lines per run when EVERY_STEPS_ENV is not set
+MAX_COLUMNS = 100  # the widest line drawn on a terminal, however wide it is
 
 
 def _duration(seconds: float) -> str:
@@ -44,9 +50,10 @@ def _duration(seconds: float) -> str:
 
 def describe(record: dict[str, Any], eta: float | None) -> str:
     """``epoch 3/20 | step 36/240 (15%) | 8,123 samples/s | loss 0.4123 | peak RSS
-    412/405 MiB | ETA 12s`` (peak RSS by rank: rank 0's now, the others' as of the last
-    epoch's metrics; ``ETA ?`` only on a terminal's first redraw, before any step has
-    been timed)."""
+    412 MiB | ETA 12s`` (peak RSS: the highest of the ranks', rank 0's now and the
+    others' as of the last epoch's metrics; one figure, so the line keeps its ETA at any
+    world size; ``ETA ?`` only on a terminal's first redraw, before any step has been
+    timed)."""
     parts = []
     if record.get("epochs"):
         parts.append(f"epoch {record.get('epoch', '?')}/{record['epochs']}")
@@ -63,7 +70,7 @@ def describe(record: dict[str, Any], eta: float | None) -> str:
         parts.append(f"loss {loss:.4f}")
     memory = record.get("peak_rss_mib")
     if isinstance(memory, list) and memory:
-        parts.append(f"peak RSS {'/'.join(f'{v:.0f}' for v in memory)} MiB")
+        parts.append(f"peak RSS {max(memory):.0f} MiB")
     parts.append(f"ETA {_duration(eta) if eta is not None else '?'}")
     return " | ".join(parts)
 
@@ -77,7 +84,7 @@ class Console:
 
     def __init__(self, progress_file: str | None = None, *, stdout: TextIO | None = None,
                  stderr: TextIO | None = None, tty: bool | None = None,
-                 every_steps: int | None = None):
+                 every_steps: int | None = None, plain_prefix: str | None = None):
         self.stdout = stdout or sys.stdout
         self.stderr = stderr or sys.stderr
         self.tty = self.stderr.isatty() if tty is None else tty
@@ -88,6 +95,7 @@ class Console:
                 every_steps = 0
         self.every_steps = every_steps  # 0: a tenth of the run's steps
         self.progress_file = progress_file
+        self.plain_prefix = plain_prefix  # rank 0's tee prefix, left out on a terminal
         self._lock = threading.RLock()
         self._status = ""  # the status line currently drawn (terminal only)
         self._stop = threading.Event()
@@ -98,6 +106,9 @@ class Console:
 
     # ----------------------------------------------------------------- output
     def write(self, stream: TextIO, text: str) -> None:
+        if self.plain_prefix and _is_terminal(stream):
+            text = "".join(line.removeprefix(self.plain_prefix)
+                           for line in text.splitlines(keepends=True))
         with self._lock:
             if self._status:
                 self.stderr.write("\r\x1b[K")
@@ -172,7 +183,7 @@ class Console:
         text = describe(record, eta)
         with self._lock:
             if self.tty:
-                self._status = text[: _width() - 1]
+                self._status = text[: columns() - 1]
                 self.stderr.write("\r\x1b[K" + self._status)
                 self.stderr.flush()
                 self.lines_printed += 1
@@ -191,11 +202,21 @@ class Console:
         return step >= last + every or (step == total and last != step)
 
 
-def _width() -> int:
+def columns(stream: TextIO | None = None) -> int:
+    """How wide a line on this terminal (stderr by default) may be: its width, at most
+    :data:`MAX_COLUMNS` (which is also the answer where the width is unknown)."""
     try:
-        return os.get_terminal_size(sys.stderr.fileno()).columns
+        width = os.get_terminal_size((stream or sys.stderr).fileno()).columns
     except (OSError, ValueError):
-        return 100
+        return MAX_COLUMNS
+    return min(width, MAX_COLUMNS) if width > 0 else MAX_COLUMNS
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # closed, or not a file
+        return False
 
 
 class _Proxy:

@@ -20,13 +20,17 @@ choice open:
 
 ``ddpkit train``/``verify`` come in through :func:`launch` with :class:`LaunchOptions`,
 which become the same command line for the same agent. (Starting the workers without
-the agent on one node would save ~1.7 s of the main job's start-up, the launcher's own
-import of torch and the agent's monitor loop; we keep the real agent:
-nothing home-made where PyTorch has the part.)
+the agent on one node would shorten the main job's start-up by the launcher's own
+import of torch and the agent's monitor loop, as benchmarks/RESULTS-history.md's
+start-up section shows; we keep the real agent: nothing home-made where PyTorch has
+the part.)
 
 The launcher owns the terminal (``ddpkit.console``): rank 0 writes its
 progress to a file the launcher names in ``DDPKIT_PROGRESS_FILE``, and the launcher
-draws it as a live status line on a terminal, or as a plain line now and then.
+draws it as a live status line on a terminal, or as a plain line now and then. With
+``LaunchOptions.plain_terminal`` (``ddpkit train``, ``ddpkit verify``) a terminal gets
+lines for a person: rank 0's without the tee's prefix, the workers' log records without
+clock and level, none wider than the terminal or 100 columns (``ddpkit.log``).
 """
 
 from __future__ import annotations
@@ -42,11 +46,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ddpkit import rendezvous
-from ddpkit.console import PROGRESS_ENV, Console
+from ddpkit.console import PROGRESS_ENV, Console, columns
 from ddpkit.errors import ONE_LINE_ERRORS_ENV, ConfigError
 from ddpkit.host_malloc import worker_malloc_env
 from ddpkit.launcher_link import FinalFailure, continue_stopped_children, linked_workers
-from ddpkit.log import get_logger
+from ddpkit.log import TERMINAL_COLUMNS_ENV, get_logger
 from ddpkit.torchrun_args import check_nproc, default_nproc, nnodes_range
 
 __all__ = ["LaunchOptions", "check_nproc", "default_nproc", "launch", "launch_argv",
@@ -70,6 +74,7 @@ class LaunchOptions:
     log_dir: str | None = None
     rdzv_timeout: float | None = None  # seconds to reach the first node and for all to join
     extra_env: dict[str, str] = field(default_factory=dict)
+    plain_terminal: bool = False  # lines for a person on a terminal (see the module doc)
 
 
 def local_addresses() -> set[str]:
@@ -166,12 +171,15 @@ def launch(script: str, script_args: Sequence[str], opts: LaunchOptions | None =
     nproc = default_nproc() if opts.nproc_per_node is None else opts.nproc_per_node
     check_nproc(nproc)
     os.environ.update(opts.extra_env)
+    plain = opts.plain_terminal and sys.stderr.isatty()
+    if plain:  # the workers' log lines: message only, fitted (ddpkit.log)
+        os.environ[TERMINAL_COLUMNS_ENV] = str(columns(sys.stderr))
     return launch_argv([*torchrun_argv(opts, nproc), script, *script_args],
-                       timeout_flag="--rdzv-timeout SECONDS")
+                       timeout_flag="--rdzv-timeout SECONDS", plain_rank0=plain)
 
 
 @contextlib.contextmanager
-def progress_console():
+def progress_console(plain_prefix: str | None = None):
     """A :class:`Console` following a fresh progress file that the workers learn from
     ``DDPKIT_PROGRESS_FILE``; removed afterwards."""
     import tempfile
@@ -180,7 +188,7 @@ def progress_console():
     os.close(fd)
     previous = os.environ.get(PROGRESS_ENV)
     os.environ[PROGRESS_ENV] = path
-    console = Console(path).start()
+    console = Console(path, plain_prefix=plain_prefix).start()
     try:
         yield console
     finally:
@@ -193,8 +201,9 @@ def progress_console():
             os.unlink(path)
 
 
-def report_failure(failures: dict, role: str) -> int:
-    """Print the one line naming the root cause of ``failures``; its exit code."""
+def report_failure(failures: dict, role: str, plain_rank0: bool = False) -> int:
+    """Print the one line naming the root cause of ``failures``; its exit code.
+    ``plain_rank0``: local rank 0's lines were shown without their prefix."""
     rank, failure = root_cause(failures)
     others = sorted(r for r in failures if r != rank)
     also = f"; ranks {others} failed after it" if others else ""
@@ -209,21 +218,24 @@ def report_failure(failures: dict, role: str) -> int:
         said = "traceback" if failure.exitcode == 1 or failure.exitcode < 0 else "message"
         code = (f"exit code {failure.exitcode}" if failure.exitcode >= 0 else
                 f"then stopped by {signal.Signals(-failure.exitcode).name}")
-        what = (f"failed first ({code}, pid {failure.pid}); its "
-                f"{said} is above, prefixed {prefix}")
+        shown = ("not prefixed" if plain_rank0 and failure.local_rank == 0 else
+                 f"prefixed {prefix}")
+        what = f"failed first ({code}, pid {failure.pid}); its {said} is above, {shown}"
     print(f"ddpkit launch: rank {rank} {what}{also}", file=sys.stderr, flush=True)
     return failure.exitcode if failure.exitcode > 0 else 1
 
 
 def launch_argv(argv: Sequence[str],
-                timeout_flag: str = "--rdzv-conf read_timeout=SECONDS") -> int:
+                timeout_flag: str = "--rdzv-conf read_timeout=SECONDS",
+                plain_rank0: bool = False) -> int:
     """``ddpkit launch ARGV``: any torchrun command line, run by torchrun's agent.
 
     The line is read by torchrun's own parser (``ddpkit.torchrun_args``); what ddpkit adds
     on top happens here: the network choices a multi-node c10d job needs, stores that
     listen only where they must (``ddpkit.rendezvous``), and a one-line summary of the
     first failure. ``timeout_flag`` names the option that bounds the wait for the first
-    node, for the message when it does not answer. Returns the exit code.
+    node, for the message when it does not answer. ``plain_rank0``: on a terminal, local
+    rank 0's lines without the tee's prefix. Returns the exit code.
     """
     from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed import run as torchrun
@@ -246,7 +258,8 @@ def launch_argv(argv: Sequence[str],
     try:
         # The agent's tee threads write to sys.stdout/sys.stderr: through the console,
         # so rank 0's progress line stays below the workers' output.
-        with progress_console() as console, \
+        rank0 = f"[{args.role}0]:" if plain_rank0 else None
+        with progress_console(rank0) as console, \
                 contextlib.redirect_stdout(console.proxy(sys.stdout)), \
                 contextlib.redirect_stderr(console.proxy(sys.stderr)), \
                 linked_workers(_stop_the_agent) as final, continue_stopped_children():
@@ -276,7 +289,7 @@ def launch_argv(argv: Sequence[str],
               file=sys.stderr)
         return 128 + int(err.sigval)
     except ChildFailedError as err:
-        return report_failure(err.failures, args.role)
+        return report_failure(err.failures, args.role, plain_rank0)
     finally:
         logging.disable(logging.NOTSET)
     return 0

@@ -9,6 +9,11 @@ and leaves propagation on, so an application's own ``logging`` setup (basicConfi
 pytest's caplog) sees ddpkit's records. Handlers belong to the application: the
 ``ddpkit`` command calls :func:`configure_cli_logging`, and marks the environment so the
 worker processes it launches configure the same stderr handler when they import ddpkit.
+
+Where those lines end on a terminal (the launcher says so in :data:`TERMINAL_COLUMNS_ENV`),
+a line is for a person reading the run as it goes: the message alone, without the
+clock, the level of an ordinary message or rank 0's name, fitted to the terminal's
+width. Elsewhere (a log file, CI) every line keeps its time and level.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import functools
 import logging
 import os
 import sys
+import textwrap
 
 
 def _rank() -> int:
@@ -56,6 +62,39 @@ class RankLogger(logging.LoggerAdapter):
 
 
 _CLI_MARK = "DDPKIT_CLI_LOGGING"
+# Set by a launcher whose stderr is a terminal: the columns its workers' lines may take.
+TERMINAL_COLUMNS_ENV = "DDPKIT_TERMINAL_COLUMNS"
+_RANK0 = "[rank 0] "
+
+
+class TerminalFormatter(logging.Formatter):
+    """A record as a person at a terminal reads it: ``epoch 3/20: ...`` for rank 0's
+    ordinary messages, ``warning: ...`` above INFO, ``[rank N] ...`` kept for the other
+    ranks; a message wider than ``columns`` continues on indented lines, broken between
+    words (a path or a command is never cut, so it can still be copied whole)."""
+
+    def __init__(self, columns: int):
+        super().__init__()
+        self.columns = max(columns, 20)
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage().removeprefix(_RANK0)
+        if record.levelno > logging.INFO:
+            text = f"{record.levelname.lower()}: {text}"
+        lines = [fitted for line in text.splitlines() or [""]
+                 for fitted in textwrap.wrap(line, self.columns, subsequent_indent="  ",
+                                             break_long_words=False,
+                                             break_on_hyphens=False) or [""]]
+        if record.exc_info:
+            lines.append(self.formatException(record.exc_info))
+        return "\n".join(lines)
+
+
+def _stderr_formatter() -> logging.Formatter:
+    columns = os.environ.get(TERMINAL_COLUMNS_ENV, "")
+    if columns.isdigit():
+        return TerminalFormatter(int(columns))
+    return logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -82,7 +121,7 @@ def configure_cli_logging() -> None:
     if any(isinstance(h, _StderrHandler) for h in root.handlers):
         return
     handler = _StderrHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    handler.setFormatter(_stderr_formatter())
     root.addHandler(handler)
     root.setLevel(os.environ.get("DDPKIT_LOG_LEVEL", "INFO").upper())
 

@@ -26,6 +26,7 @@ import shutil
 from typing import NoReturn
 
 from ddpkit.errors import ConfigError
+from ddpkit.help_text import plain
 
 # dest -> ddpkit's value where neither the flag nor its PET_* variable was given.
 # None means "decided from the other arguments" (see apply_defaults).
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
         "per GPU (2 on CPU), output prefixed per rank (--tee 3), a free rendezvous port, "
         "c10d when only --rdzv-endpoint is given. See docs/multinode.md.")
     parser.error = _one_line_error  # argparse's usage block + exit 2 would bypass the CLI
+    for action in parser._actions:  # torch's help is written for its reST docs
+        if action.help:
+            action.help = plain(action.help)
     return parser
 
 

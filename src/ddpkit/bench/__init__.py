@@ -1,2 +1,3 @@
-"""Benchmark harnesses (application layer): ``collectives`` and ``shm``, run by
-``ddpkit bench``. They measure the library from outside; the library never imports them."""
+"""Benchmark harnesses (application layer), run by ``ddpkit bench``: ``collective_timing``
+(``ddpkit bench collectives``: the bus-bandwidth sweep) and ``shm`` (``ddpkit bench shm``).
+They measure the library from outside; the library never imports them."""

@@ -52,7 +52,7 @@ def _register_collectives(bench_sub) -> None:
 
 
 def run_collectives(args) -> int:
-    from ddpkit.bench import collectives as bench
+    from ddpkit.bench import collective_timing as bench
 
     algos = tuple(a.strip() for a in args.algo.split(",") if a.strip())
     cfg = bench.BenchConfig(

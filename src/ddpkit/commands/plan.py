@@ -310,7 +310,7 @@ def run_project(args) -> int:
 def _measure_all_reduce(nproc: int, sizes: str, threads: int | None, repeats: int):
     """Time torch's own all-reduce with the collectives benchmark (an application piece:
     the plan library only fits what it is given)."""
-    from ddpkit.bench import collectives as bench
+    from ddpkit.bench import collective_timing as bench
 
     cfg = bench.BenchConfig(op="all_reduce", algos=("backend",),
                             sizes=tuple(bench.parse_sizes(sizes)), nproc=nproc,

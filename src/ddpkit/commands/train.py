@@ -205,6 +205,7 @@ def _launch(args: argparse.Namespace, cfg: Config, opts, run_dir: Path | None,
     if run_dir is not None:
         argv += ["--resume" if resume_dir is not None else "--run-dir", str(run_dir)]
     opts.module = True
+    opts.plain_terminal = True  # a person reads this terminal (ddpkit.launch)
     quiet_omp_warning(opts)
     started = time.time()
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     check_data(cfg)
     check_plain_steps(cfg)
     opts.module = True
+    opts.plain_terminal = True  # a person reads this terminal (ddpkit.launch)
     quiet_omp_warning(opts)
     with tempfile.TemporaryDirectory(prefix="ddpkit-verify-") as tmp:
         result_file = Path(tmp, "result.json")

@@ -4,8 +4,9 @@ A collective waits for every rank. When one rank is stuck (a deadlock, a dead da
 loader, a rank that skipped a collective behind an ``if``), the others block, and the
 backend's timeout, if it fires at all, says only that a ``recv`` timed out. To say
 *who* is missing, each rank publishes its position — a sequence number, the step and
-the name of the point it reached — to the job's c10d store. One ``store.set`` is a
-few microseconds on a TCPStore, cheap enough to do at every step. When a wait times
+the name of the point it reached — to the job's c10d store. One ``store.set`` on a
+TCPStore is cheap enough to do at every step (benchmarks/RESULTS.md, fault tolerance,
+has its cost). When a wait times
 out, the waiting rank reads everyone's position and reports the ranks that are behind.
 
 Three ways to wait, from cheapest to most general:

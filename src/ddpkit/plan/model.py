@@ -19,6 +19,11 @@ NCCL's channels do), so the inter-node bandwidth of a flat algorithm is
 ``min(intra bandwidth, nics_per_node x NIC bandwidth)`` and its per-step latency is the
 inter-node one.
 
+Inside a node whose GPUs are wired point to point rather than through a switch (the
+DGX-1's NVLink hybrid cube mesh), the intra-node bandwidth depends on how many GPUs take
+part (:meth:`Link.among`): an all-reduce among a few of them can drive only the links
+that join those few, so two GPUs of a DGX-1 share one NVLink, not the six each GPU has.
+
 A data-parallel step with gradient buckets (torch DDP's design): buckets are filled in
 reverse parameter order during backward; a bucket's all-reduce starts when its last
 gradient is ready *and* the previous bucket's all-reduce is done (one communication
@@ -58,7 +63,10 @@ class Link:
 
     name: str
     alpha_s: float  # per-message latency, seconds
-    bandwidth_Bps: float  # bytes per second, one direction
+    bandwidth_Bps: float  # bytes per second, one direction (per GPU, all of a node's GPUs)
+    # GPUs wired to each other without a switch: how many links join GPU i and GPU j of a
+    # node. None: a switch or a bus, where any group of GPUs sees the whole bandwidth.
+    mesh: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.alpha_s < 0 or self.bandwidth_Bps <= 0:
@@ -68,14 +76,48 @@ class Link:
     def beta_s_per_byte(self) -> float:
         return 1.0 / self.bandwidth_Bps
 
+    def among(self, gpus: int) -> Link:
+        """The link as an all-reduce among a node's first ``gpus`` GPUs sees it (ranks
+        take devices in order, so a job of g GPUs on a node uses GPUs 0..g-1).
+
+        A ring all-reduce keeps one ring per link direction it can use: a ring enters
+        and leaves every GPU once, so no more rings run at once than the least-connected
+        GPU of the group has links to the others, and each ring moves at one link's
+        speed. With a switch every group gets the whole bandwidth; on a mesh a small
+        group gets only the links among its members: on a DGX-1, GPUs 0 and 1 share one
+        NVLink (25 GB/s each way) while eight GPUs drive all six of each GPU's links.
+        The bandwidth of the preset is that of the whole node; a group's is its share.
+        """
+        if self.mesh is None or gpus <= 1 or gpus >= len(self.mesh):
+            return self
+        group = min(sum(row[:gpus]) for row in self.mesh[:gpus])
+        whole = min(sum(row) for row in self.mesh)
+        return Link(f"{self.name}[{gpus} GPUs]", self.alpha_s,
+                    self.bandwidth_Bps * group / whole)
+
+
+# The DGX-1 (V100)'s hybrid cube mesh: NVLinks between GPU i and GPU j, as
+# `nvidia-smi topo -m` prints it (NV1/NV2) on the machines of torch DDP's published
+# benchmark (benchmarks/data/torch_ddp_v100_published.csv). Every GPU has six links;
+# GPUs 0-3 and 4-7 form two fully joined quads, and GPU i is also joined to GPU i+4.
+DGX1_NVLINKS = (
+    (0, 1, 1, 2, 2, 0, 0, 0),
+    (1, 0, 2, 1, 0, 2, 0, 0),
+    (1, 2, 0, 2, 0, 0, 1, 0),
+    (2, 1, 2, 0, 0, 0, 0, 1),
+    (2, 0, 0, 0, 0, 1, 1, 2),
+    (0, 2, 0, 0, 1, 0, 2, 1),
+    (0, 0, 1, 0, 1, 2, 0, 2),
+    (0, 0, 0, 1, 2, 1, 2, 0),
+)
 
 # Link parameters assumed for projections (peak figures from vendor datasheets; the
 # latency is the per-hop software + wire figure NCCL-class libraries reach, an assumption).
 PRESETS: dict[str, Link] = {
     # NVLink 2 (V100 SXM2, DGX-1): 6 links x 25 GB/s each way = 150 GB/s per GPU each way
-    # (NVIDIA Tesla V100 datasheet: 300 GB/s bidirectional). In the DGX-1's hybrid cube
-    # mesh fewer GPUs share fewer links; with 8 GPUs NCCL's rings use all six.
-    "nvlink2": Link("nvlink2", 2e-6, 150e9),
+    # (NVIDIA Tesla V100 datasheet: 300 GB/s bidirectional), when all 8 GPUs take part;
+    # fewer GPUs of the mesh drive fewer links (Link.among).
+    "nvlink2": Link("nvlink2", 2e-6, 150e9, DGX1_NVLINKS),
     # NVLink 4 (H100 SXM): 900 GB/s bidirectional per GPU = 450 GB/s each way.
     "nvlink4": Link("nvlink4", 2e-6, 450e9),
     # NVLink 3 (A100 SXM): 600 GB/s bidirectional per GPU = 300 GB/s each way.
@@ -203,11 +245,15 @@ class Cluster:
     def nics(self) -> int:
         return self.nics_per_node or self.gpus_per_node
 
+    def intra_link(self) -> Link:
+        """The intra-node link as this cluster's GPUs of a node drive it."""
+        return self.intra.among(self.gpus_per_node)
+
     def flat_link(self) -> Link:
         """The link a flat ring/tree over all ranks is limited by."""
         if self.nodes == 1:
-            return self.intra
-        bandwidth = min(self.intra.bandwidth_Bps, self.nics * self.inter.bandwidth_Bps)
+            return self.intra_link()
+        bandwidth = min(self.intra_link().bandwidth_Bps, self.nics * self.inter.bandwidth_Bps)
         return Link(f"{self.inter.name}x{self.nics}", max(self.intra.alpha_s, self.inter.alpha_s),
                     bandwidth)
 
@@ -234,9 +280,9 @@ def allreduce_time(nbytes: float, cluster: Cluster, algo: str = "ring") -> float
         return tree_time(nbytes, p, cluster.flat_link())
     if algo == "hierarchical":
         if cluster.nodes == 1:
-            return ring_time(nbytes, g, cluster.intra)
+            return ring_time(nbytes, g, cluster.intra_link())
         # reduce-scatter + all-gather in the node = one intra ring all-reduce's worth
-        intra = ring_time(nbytes, g, cluster.intra) if g > 1 else 0.0
+        intra = ring_time(nbytes, g, cluster.intra_link()) if g > 1 else 0.0
         # each GPU's 1/G shard crosses nodes over its share of the NICs
         share = Link(cluster.inter.name, cluster.inter.alpha_s,
                      cluster.inter.bandwidth_Bps * cluster.nics / g)

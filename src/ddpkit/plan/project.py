@@ -158,7 +158,8 @@ def format_table(rows: Sequence[Row], workload: Workload, intra: Link, inter: Li
         f"# DDP's own work {1e3 * workload.overhead_s():.2f} ms per step ({dev.name}: "
         f"{dev.memory_Bps / 1e9:g} GB/s memory); slowest of p devices at a "
         f"{100 * dev.spread:g}% spread",
-        f"# links: intra-node {intra.name} {intra.bandwidth_Bps / 1e9:g} GB/s, "
+        f"# links: intra-node {intra.name} {intra.bandwidth_Bps / 1e9:g} GB/s"
+        f"{' (all of a node; a mesh: fewer GPUs drive fewer links)' if intra.mesh else ''}, "
         f"{intra.alpha_s * 1e6:g} us; inter-node {inter.name} {inter.bandwidth_Bps / 1e9:g} GB/s "
         f"per NIC, {inter.alpha_s * 1e6:g} us; {gpus_per_node} GPUs and "
         f"{nics_per_node or gpus_per_node} NICs per node",

@@ -70,8 +70,9 @@ def exit_process(code: int) -> NoReturn:
     that dies of its loss should not end before the rank that caused it.)
 
     Tearing down a process that imported torch (and torch._dynamo, which its optimizers
-    import) takes Python 1-3 s here: every module and object freed one by one, then
-    torch's C++ destructors, all after the work is done and its files are closed. What
+    import) is slow: every module and object freed one by one, then torch's C++
+    destructors, all after the work is done and its files are closed (the main job's
+    exit, before and after: benchmarks/RESULTS-history.md, start-up). What
     finalization would do that matters is done first: non-daemon threads finish,
     ``atexit`` handlers run (logging's flush among them), stdout and stderr are flushed.
     Everything else the OS reclaims; the atexit handlers include ddpkit's own teardown,

@@ -4,7 +4,7 @@ a real run needs.
 Each epoch every rank trains on its shard of the global batches (ShardSampler), the
 engine averages gradients, then every rank evaluates its shard of the test set and the
 metric sums are reduced (see metrics.py). Rank 0 alone draws the progress bar and writes
-the run directory: ``config.json``, ``metrics.jsonl`` (one record per epoch),
+the run directory: ``config.json``, ``metrics.jsonl`` (one record per epoch), ``train.log``,
 ``summary.json`` and ``curves.png``.
 
 The loss that drives backward is the sum over this rank's *real* samples scaled by
@@ -556,14 +556,9 @@ class Trainer:
     def _report_epoch(self, record: dict[str, Any]) -> None:
         self._main_writes(lambda: report.append_jsonl(self.run_dir / report.METRICS_FILE,
                                                       record))
-        ranks = ", ".join(f"{v:.4f}" for v in record["rank_train_loss"])
-        log.info(
-            f"epoch {record['epoch']}/{self.cfg.train.epochs}: "
-            f"train loss {record['train_loss']:.4f} acc {100 * record['train_acc']:.2f}% | "
-            f"test loss {record['test_loss']:.4f} acc {100 * record['test_acc']:.2f}% | "
-            f"{record['samples_per_s']:,.0f} samples/s | loss by rank [{ranks}] | peak RSS "
-            f"by rank [{', '.join(f'{v:.0f}' for v in record['rank_peak_rss_mib'])}] MiB"
-        )
+        epochs = self.cfg.train.epochs
+        self._main_writes(lambda: progress.append_epoch_log(self.run_dir, record, epochs))
+        log.info(progress.epoch_line(record, epochs))
 
     def _summary(self, seconds: float) -> dict[str, Any]:
         h = self.loop.history
