@@ -55,8 +55,8 @@ from torch import nn
 import ddpkit
 from ddpkit.bench.output import write_json
 from ddpkit.host_malloc import worker_malloc_env
-from ddpkit.parallel.exact_reducer import ExactReducer
-from ddpkit.parallel.exact_sum import ExactMean
+from ddpkit.parallel.exact.exact_reducer import ExactReducer
+from ddpkit.parallel.exact.exact_sum import ExactMean
 from ddpkit.slice_count import default_slices
 from ddpkit.train.models import MLP
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpkit.errors import ConfigError
-from ddpkit.parallel import transport
-from ddpkit.parallel.transport import choose
+from ddpkit.parallel.engine import transport
+from ddpkit.parallel.engine.transport import choose
 
 COMMS = ("auto", "backend", "ring", "shm")
 

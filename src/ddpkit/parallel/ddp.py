@@ -9,13 +9,13 @@ Contract with the user, the same as torch's DistributedDataParallel:
   normalizes with its own batch's statistics but carries rank 0's running averages.
 * When ``loss.backward()`` returns, every parameter's ``.grad`` holds the gradient
   averaged over ranks; the reduction ran in buckets while backward was still going (see
-  :mod:`ddpkit.parallel.reducer`). Replicas stay identical because every rank then
+  :mod:`ddpkit.parallel.engine.reducer`). Replicas stay identical because every rank then
   applies the same optimizer step to the same parameters with the same gradients.
 * ``no_sync()`` skips the reduction (gradient accumulation); :func:`ddpkit.join` lets
   ranks with fewer batches finish early without hanging the others.
 
 The constructor takes torch 2.13 DDP's arguments, positionally and by keyword, so a
-script switches engines by changing its import (:mod:`ddpkit.parallel.torch_compat` says
+script switches engines by changing its import (:mod:`ddpkit.parallel.compat.torch_compat` says
 which are honoured and refuses the rest in one line). The module stays where the caller
 put it, possibly across several devices (model parallel inside each replica; then
 ``device_ids=None``). Buckets are per (device, dtype).
@@ -38,17 +38,20 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ddpkit import host_malloc, lifetime
 from ddpkit.errors import ConfigError, ConfigTypeError, UsageError
-from ddpkit.parallel import exact_reducer, sharded_state, torch_compat, transport
-from ddpkit.parallel.buckets import MIB, Allocator, size_limits
-from ddpkit.parallel.ddp_logging import LoggingData
-from ddpkit.parallel.ddp_pickle import LazyTransport, pickled_state
-from ddpkit.parallel.join_state import ModelJoin, TorchJoinHook
-from ddpkit.parallel.reducer import CommHook, Reducer
-from ddpkit.parallel.scatter_reducer import ScatterReducer
-from ddpkit.parallel.sharding import Sharding, agree_on_mode, check_mode
-from ddpkit.parallel.sparse_grads import SparseReducer, sparse_parameters
-from ddpkit.parallel.state_sync import broadcast_coalesced, verify_same_layout
-from ddpkit.parallel.torch_compat import IGNORE_ATTRIBUTE, TorchMethods
+from ddpkit.parallel.compat import torch_compat
+from ddpkit.parallel.compat.ddp_logging import LoggingData
+from ddpkit.parallel.compat.ddp_pickle import LazyTransport, pickled_state
+from ddpkit.parallel.compat.sparse_grads import SparseReducer, sparse_parameters
+from ddpkit.parallel.compat.torch_compat import IGNORE_ATTRIBUTE, TorchMethods
+from ddpkit.parallel.engine import transport
+from ddpkit.parallel.engine.buckets import MIB, Allocator, size_limits
+from ddpkit.parallel.engine.join_state import ModelJoin, TorchJoinHook
+from ddpkit.parallel.engine.reducer import CommHook, Reducer
+from ddpkit.parallel.engine.state_sync import broadcast_coalesced, verify_same_layout
+from ddpkit.parallel.exact import exact_reducer
+from ddpkit.parallel.zero import sharded_state
+from ddpkit.parallel.zero.scatter_reducer import ScatterReducer
+from ddpkit.parallel.zero.sharding import Sharding, agree_on_mode, check_mode
 
 # torch DDP's: buffers and parameters are broadcast in messages of at most this size.
 BROADCAST_BUCKET_BYTES = 250 * MIB
@@ -103,15 +106,15 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
     Its methods and attributes are torch DDP's (``no_sync``, ``join``, ``join_hook``,
     ``register_comm_hook``, ``will_sync_module_buffers``, ``process_group``,
     ``require_backward_grad_sync``, ...; docs/ddp-engine.md has the full table), it
-    pickles and deep-copies like torch's (:mod:`ddpkit.parallel.ddp_pickle`), reduces
-    sparse embedding gradients (:mod:`ddpkit.parallel.sparse_grads`), and its errors are
+    pickles and deep-copies like torch's (:mod:`ddpkit.parallel.compat.ddp_pickle`), reduces
+    sparse embedding gradients (:mod:`ddpkit.parallel.compat.sparse_grads`), and its errors are
     torch's exception types with ddpkit's messages.
 
     ddpkit's own options (keyword-only):
 
     Args:
         module: the model, already on its device(s); every rank builds the same one.
-        comm: how buckets are all-reduced (see :mod:`ddpkit.parallel.transport`):
+        comm: how buckets are all-reduced (see :mod:`ddpkit.parallel.engine.transport`):
             ``"auto"`` (default: ``"shm"`` for a CPU module whose ranks share a host,
             ``"backend"`` for CUDA and everything else, decided once here), ``"backend"``
             (torch's all_reduce: bit-identical to torch DDP), ``"ring"`` (ddpkit's ring),
@@ -140,8 +143,8 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
             ``"parameters"`` (ZeRO-3): ``model.parameters()`` then yields this rank's
             pieces of the module's parameters, so the optimizer built on them holds 1/W
             of the state (see
-            :mod:`ddpkit.parallel.sharding`).
-        exact: the same bits at any world size (:mod:`ddpkit.parallel.exact_reducer`):
+            :mod:`ddpkit.parallel.zero.sharding`).
+        exact: the same bits at any world size (:mod:`ddpkit.parallel.exact.exact_reducer`):
             each step is ``slices`` slices of the batch run through :meth:`slices`,
             their gradients summed exactly; see docs/exact.md.
         slices: exact mode's slices per step (the world size must divide it);
@@ -482,7 +485,7 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
         self.transport.broadcast(tensors, src)
 
     # torch's Joinable interface: torch.distributed.algorithms.Join([model, ...]) drives the
-    # same shadowing as ddpkit.join (see ddpkit.parallel.join_state.TorchJoinHook).
+    # same shadowing as ddpkit.join (see ddpkit.parallel.engine.join_state.TorchJoinHook).
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         self._logging.set("join_uneven_inputs", 1)
@@ -611,7 +614,7 @@ class DataParallel(TorchMethods, nn.Module, Joinable):
     def optimizer_shard_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """With sharding: (what every rank shares, this rank's part) of the optimizer's
         state, cut by parameter so that any world size can load it
-        (:mod:`ddpkit.parallel.sharded_state`; ddpkit's checkpoints store the parts as
+        (:mod:`ddpkit.parallel.zero.sharded_state`; ddpkit's checkpoints store the parts as
         one file per rank)."""
         if self._sharding is None:
             raise ConfigError("optimizer_shard_state needs DataParallel(shard='optimizer' or "

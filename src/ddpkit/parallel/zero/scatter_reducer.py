@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm.shm.collectives import chunk_bounds
-from ddpkit.parallel.buckets import Allocator, Bucket, default_allocator
-from ddpkit.parallel.reducer import Reducer, initial_assignment
+from ddpkit.parallel.engine.buckets import Allocator, Bucket, default_allocator
+from ddpkit.parallel.engine.reducer import Reducer, initial_assignment
 
 
 class ScatterReducer(Reducer):

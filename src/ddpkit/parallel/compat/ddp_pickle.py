@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.errors import UsageError
-from ddpkit.parallel.buckets import default_allocator
+from ddpkit.parallel.engine.buckets import default_allocator
 
 # Live objects that are rebuilt on load rather than pickled.
 TRANSIENT = ("reducer", "sparse", "transport", "process_group", "group", "_logging",

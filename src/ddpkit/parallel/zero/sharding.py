@@ -10,10 +10,10 @@
   are cleared after backward, since only this rank's chunks hold reduced values.
 * ``"parameters"`` (ZeRO-3): as ``"gradients"``, and the full parameters are in memory
   only while a module holding them runs forward or backward (gathered per bucket,
-  released after; :mod:`ddpkit.parallel.layer_gathering`).
+  released after; :mod:`ddpkit.parallel.zero.layer_gathering`).
 
 All three sum every element in the order the unsharded all-reduce does (the shard cut is the
-all-reduce's own, :mod:`ddpkit.parallel.shard_layout`), so weights are bit for bit those
+all-reduce's own, :mod:`ddpkit.parallel.zero.shard_layout`), so weights are bit for bit those
 of ``shard="none"`` with the same ``comm`` (gathering copies values exactly). After
 ``opt.step()`` only this rank's chunks of the weights are new; the next forward (or
 state dict) first gathers every rank's.
@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 from ddpkit.comm.collectives import all_reduce as comm_all_reduce
 from ddpkit.errors import ConfigError
-from ddpkit.parallel.layer_gathering import LayerGathering
-from ddpkit.parallel.sharded_params import ShardedParameters
+from ddpkit.parallel.zero.layer_gathering import LayerGathering
+from ddpkit.parallel.zero.sharded_params import ShardedParameters
 
 SHARD_CHOICES = ("none", "optimizer", "gradients", "parameters")
 

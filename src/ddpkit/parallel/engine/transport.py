@@ -43,8 +43,8 @@ from ddpkit.comm.collectives import all_reduce as comm_all_reduce
 from ddpkit.comm.shm.communicator import ShmCommunicator
 from ddpkit.errors import CommError, ConfigError
 from ddpkit.log import get_logger
-from ddpkit.parallel.buckets import default_allocator
-from ddpkit.parallel.state_sync import BytePacker, broadcast_coalesced, broadcast_packed
+from ddpkit.parallel.engine.buckets import default_allocator
+from ddpkit.parallel.engine.state_sync import BytePacker, broadcast_coalesced, broadcast_packed
 
 log = get_logger(__name__)
 
@@ -135,7 +135,7 @@ class BackendTransport:
 
     def reduce_scatter(self, buffer: torch.Tensor):
         """A sharded engine's bucket collective: this rank's chunk of ``buffer``
-        (:func:`ddpkit.parallel.shard_layout.bucket_shards`) summed; here the whole
+        (:func:`ddpkit.parallel.zero.shard_layout.bucket_shards`) summed; here the whole
         bucket, by the same all-reduce, so the bits are the unsharded engine's."""
         return self.all_reduce(buffer)
 

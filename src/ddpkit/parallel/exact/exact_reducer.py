@@ -2,7 +2,7 @@
 
 ``DataParallel(model, exact=True, slices=V)`` trains so that W ranks end with
 the parameters one process would, bit for bit, for every W dividing V. A step is V
-*slices* of the global batch (:mod:`ddpkit.parallel.exact_slices`); a
+*slices* of the global batch (:mod:`ddpkit.parallel.exact.slices`); a
 rank runs the V/W it owns one after another::
 
     for xs, ys in model.slices(x, y):          # x, y: this rank's local batch
@@ -16,7 +16,7 @@ bits on any rank. When the slice's backward ends, its gradients are kept for the
 (large ones as autograd left them, small ones copied together) and ``param.grad``
 goes back to None, so the next slice's backward starts clean.
 When the last local slice's backward ends, the kept gradients are summed with
-:class:`ddpkit.parallel.exact_sum.ExactMean` (an associative fixed-point sum, one MAX
+:class:`ddpkit.parallel.exact.exact_sum.ExactMean` (an associative fixed-point sum, one MAX
 and one SUM all-reduce) and ``.grad`` holds the mean over the V slices: the sum does
 not depend on which rank held which slice, so neither do the bits.
 
@@ -41,10 +41,10 @@ from ddpkit.comm.collectives import all_reduce as comm_all_reduce
 from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.lifetime import no_python_tls
 from ddpkit.log import get_logger
-from ddpkit.parallel import transport
-from ddpkit.parallel.exact_slices import pin_numerics, slice_positions, slice_rng
-from ddpkit.parallel.exact_sum import PIECE_ELEMENTS, ExactMean
-from ddpkit.parallel.state_sync import broadcast_coalesced
+from ddpkit.parallel.engine import transport
+from ddpkit.parallel.engine.state_sync import broadcast_coalesced
+from ddpkit.parallel.exact.exact_sum import PIECE_ELEMENTS, ExactMean
+from ddpkit.parallel.exact.slices import pin_numerics, slice_positions, slice_rng
 from ddpkit.slice_count import EXACT_THREADS, check_slices, saved_slice_count
 
 log = get_logger(__name__)

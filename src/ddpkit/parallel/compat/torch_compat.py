@@ -213,7 +213,7 @@ class TorchMethods:
         setattr(module, IGNORE_ATTRIBUTE, list(params_and_buffers_to_ignore))
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """torch DDP's logging dictionary (see :mod:`ddpkit.parallel.ddp_logging`)."""
+        """torch DDP's logging dictionary (see :mod:`ddpkit.parallel.compat.ddp_logging`)."""
         return self._logging.snapshot()
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ddpkit.comm.shm.collectives import chunk_bounds
-from ddpkit.parallel.buckets import Bucket
+from ddpkit.parallel.engine.buckets import Bucket
 
 
 @dataclass(frozen=True)

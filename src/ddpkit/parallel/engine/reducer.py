@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.lifetime import no_python_tls
-from ddpkit.parallel.buckets import (
+from ddpkit.parallel.engine.buckets import (
     Allocator,
     Bucket,
     assign_buckets,
@@ -57,7 +57,7 @@ CommHook = Callable[[object, GradBucket], torch.futures.Future]
 
 class Transport(Protocol):
     """The default path's all-reduce of one scaled bucket, and the reducer's small
-    collectives (ddpkit.parallel.transport)."""
+    collectives (ddpkit.parallel.engine.transport)."""
 
     def all_reduce(self, buffer: torch.Tensor) -> Any: ...
 
@@ -129,7 +129,7 @@ class Reducer:
         self.comm_hook = comm_hook
         self.comm_state = comm_state
         self.allocate = allocate
-        # how the default path sums a bucket (ddpkit.parallel.transport)
+        # how the default path sums a bucket (ddpkit.parallel.engine.transport)
         self.transport = transport
 
         initial = initial_assignment(self.params, self.limits, initial_bucketing,
