@@ -44,7 +44,7 @@ MUTATIONS = (
     ),
     Mutation(
         "shm-sum-skips-the-last-element-of-each-chunk",
-        "ddpkit/comm/shm/collectives.py",
+        "ddpkit/comm/shm/shm_collectives.py",
         "            stop = min(hi, start + piece)\n            acc = mine[start:stop]",
         "            stop = min(hi - 1, start + piece)\n            acc = mine[start:stop]",
         ("tests/test_shm.py", "tests/test_ddp_comm.py", "-m", "not slow"),

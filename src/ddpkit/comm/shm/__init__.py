@@ -1,7 +1,7 @@
 """Shared-memory all-reduce for ranks on one host (see docs/shm.md).
 
 Modules: ``communicator`` (set-up, shared allocations, the check of every call),
-``collectives`` (all-reduce and the other collectives on one host), ``hierarchical``
+``shm_collectives`` (all-reduce and the other collectives on one host), ``hierarchical``
 (the same across hosts), ``signature`` (the word each call is checked by), ``algorithm``
 (the registry's "shm" algorithm and auto's choice of it), ``segment`` (POSIX
 shared-memory files), ``sync`` (barriers over a control block) and ``hook`` (the
