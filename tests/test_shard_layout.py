@@ -3,7 +3,7 @@ part of which parameter a chunk holds, and the cut is the shm all-reduce's own."
 
 import torch
 
-from ddpkit.comm.shm.shm_collectives import chunk_bounds
+from ddpkit.comm import chunk_bounds
 from ddpkit.parallel.engine.buckets import assign_buckets, build_buckets
 from ddpkit.parallel.zero.shard_layout import Piece, bucket_shards, pieces_in
 

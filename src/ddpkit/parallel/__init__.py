@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from ddpkit.comm.shm.hook import ShmState, shm_hook
+from ddpkit.comm.shm import ShmState, shm_hook
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.ddp import DataParallel
 from ddpkit.parallel.engine.transport import COMM_CHOICES

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import ops
+from ddpkit.comm.chunks import chunk_bounds
 from ddpkit.comm.shm import hierarchical
 from ddpkit.errors import CommError
 
@@ -44,15 +45,6 @@ PIECE_BYTES = 1 << 20
 # Up to this size every rank reduces the whole message itself from double-buffered
 # areas: one barrier per call instead of two, which is what latency is made of.
 SMALL_BYTES = 64 << 10
-ALIGN_BYTES = 64  # chunk boundaries on cache lines: no two ranks write one line
-
-
-def chunk_bounds(numel: int, itemsize: int, parts: int) -> list[int]:
-    """Where ``parts`` ranks split ``numel`` elements: rank i reduces [b[i], b[i+1]).
-    Boundaries fall on cache lines, so no two ranks write one line."""
-    align = max(1, ALIGN_BYTES // itemsize)
-    bounds = [min(numel, (numel * i // parts) // align * align) for i in range(parts)]
-    return bounds + [numel]
 
 
 class ShmCollectives:

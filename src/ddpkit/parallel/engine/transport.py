@@ -38,9 +38,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ddpkit.comm import all_reduce as comm_all_reduce
 from ddpkit.comm import auto
-from ddpkit.comm.collectives import all_reduce as comm_all_reduce
-from ddpkit.comm.shm.communicator import ShmCommunicator
+from ddpkit.comm.shm import ShmCommunicator
 from ddpkit.errors import CommError, ConfigError
 from ddpkit.log import get_logger
 from ddpkit.parallel.engine.buckets import default_allocator

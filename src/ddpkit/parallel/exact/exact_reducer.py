@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.comm.collectives import all_reduce as comm_all_reduce
+from ddpkit.comm import all_reduce as comm_all_reduce
 from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.lifetime import no_python_tls
 from ddpkit.log import get_logger

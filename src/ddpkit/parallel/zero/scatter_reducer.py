@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ddpkit.comm.shm.shm_collectives import chunk_bounds
+from ddpkit.comm import chunk_bounds
 from ddpkit.parallel.engine.buckets import Allocator, Bucket, default_allocator
 from ddpkit.parallel.engine.reducer import Reducer, initial_assignment
 

@@ -31,7 +31,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from ddpkit.comm.collectives import all_reduce as comm_all_reduce
+from ddpkit.comm import all_reduce as comm_all_reduce
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.zero.layer_gathering import LayerGathering
 from ddpkit.parallel.zero.sharded_params import ShardedParameters
