@@ -133,10 +133,13 @@ class BackendTransport:
     def all_reduce(self, buffer: torch.Tensor):
         return dist.all_reduce(buffer, group=self.group, async_op=True)
 
-    def reduce_scatter(self, buffer: torch.Tensor):
-        """A sharded engine's bucket collective: this rank's chunk of ``buffer``
-        (:func:`ddpkit.parallel.zero.shard_layout.bucket_shards`) summed; here the whole
-        bucket, by the same all-reduce, so the bits are the unsharded engine's."""
+    def reduce_own_chunk(self, buffer: torch.Tensor):
+        """ZeRO-2 and 3's bucket collective: leave at least this rank's chunk of
+        ``buffer`` (:func:`ddpkit.comm.chunk_bounds`) summed across the group, with the
+        bits the unsharded engine's all-reduce gives it; the rest of ``buffer`` is not
+        to be read. Here that is the same all-reduce of the whole bucket, not torch's
+        reduce-scatter: that one takes equal blocks (the chunks are cut on cache lines),
+        and nothing promises it adds in the order its all-reduce does."""
         return self.all_reduce(buffer)
 
     def all_gather_chunks(self, flat: torch.Tensor, bounds: Sequence[int]) -> None:
@@ -222,9 +225,10 @@ class ShmTransport:
         self.comm.all_reduce(buffer, "sum")
         return None
 
-    def reduce_scatter(self, buffer: torch.Tensor):
-        """Sum only this rank's chunk of a private bucket (the chunk the in-place
-        all-reduce sums, added in the same order); across hosts the whole bucket."""
+    def reduce_own_chunk(self, buffer: torch.Tensor):
+        """On one host a real reduce-scatter: only this rank's chunk of a private
+        bucket is summed (the chunk the in-place all-reduce sums, added in the same
+        order); across hosts, and off the CPU, the whole bucket's all-reduce."""
         if buffer.device.type != "cpu":
             return dist.all_reduce(buffer, group=self.group, async_op=True)
         if self.comm.nhosts > 1:

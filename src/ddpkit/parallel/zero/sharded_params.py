@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ddpkit.parallel.engine.buckets import Bucket
-from ddpkit.parallel.zero.shard_layout import BucketShard, Piece, bucket_shards
+from ddpkit.parallel.zero.shard_layout import BucketShard, Piece
 
 
 class ShardedParameters:
@@ -42,11 +42,11 @@ class ShardedParameters:
     their gathering."""
 
     def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str],
-                 buckets: Sequence[Bucket], rank: int, world_size: int, transport, *,
+                 buckets: Sequence[Bucket], layout: Sequence[BucketShard], transport, *,
                  own_shards: bool = False):
         self.transport = transport
         self.names = list(names)
-        self.layout: list[BucketShard] = bucket_shards(buckets, params, rank, world_size)
+        self.layout = list(layout)  # this rank's chunk of every bucket
         self.flats: list[torch.Tensor] = []
         with torch.no_grad():
             for bucket in buckets:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ddpkit.comm import all_reduce as comm_all_reduce
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.zero.layer_gathering import LayerGathering
+from ddpkit.parallel.zero.shard_layout import bucket_shards
 from ddpkit.parallel.zero.sharded_params import ShardedParameters
 
 SHARD_CHOICES = ("none", "optimizer", "gradients", "parameters")
@@ -64,8 +65,13 @@ class Sharding:
         self.reducer = reducer
         # The shards the optimizer holds are cut from this layout: keep it.
         reducer.rebuilt = True
-        self.params = ShardedParameters(reducer.params, reducer.names, reducer.buckets,
-                                        dist.get_rank(group), dist.get_world_size(group),
+        # Which chunk of every bucket this rank owns: cut here, once, for the shard
+        # parameters and (ZeRO-2 and 3) for the reducer's reduce-scatter alike.
+        layout = bucket_shards(reducer.buckets, reducer.params, dist.get_rank(group),
+                               dist.get_world_size(group))
+        if self.scatters:
+            reducer.keep(layout)
+        self.params = ShardedParameters(reducer.params, reducer.names, reducer.buckets, layout,
                                         transport, own_shards=mode == "parameters")
         self.layers: LayerGathering | None = None
         if mode == "parameters":
