@@ -44,7 +44,7 @@ class SparseReducer:
         self.params = list(params)
         self.names = list(names)
         self.group = group
-        self.dense = dense  # the dense Reducer (None when every parameter is sparse)
+        self.dense = dense  # the dense BucketReducer (None when every parameter is sparse)
         self.first_bucket_index = first_bucket_index
         self.comm_hook = None
         self.comm_state = None

@@ -178,7 +178,7 @@ class ShmTransport:
 
     name = "shm"
     # all_reduce of a CPU bucket runs on the calling thread and is complete on return
-    # (the reducer then launches every bucket at the end of backward, see Reducer).
+    # (the reducer then launches every bucket at the end of backward, see BucketReducer).
     reduces_inline = True
 
     def __init__(self, group, *, slot_mb: float = SHM_SLOT_MB):
@@ -276,10 +276,15 @@ class ShmTransport:
                          lambda flat, _: self.comm.broadcast(flat, root))
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.reduce_(tensor, "sum")
+
+    def reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Reduce ``tensor`` across the group with ``op`` ("sum", "max", ...), in place,
+        complete on return: through the segment for a CPU tensor, else the backend."""
         if tensor.device.type != "cpu":
-            dist.all_reduce(tensor, group=self.group)
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=self.group)
             return tensor
-        return self.comm.all_reduce(tensor, "sum")
+        return self.comm.all_reduce(tensor, op)
 
     def close(self) -> None:
         self.comm.close()

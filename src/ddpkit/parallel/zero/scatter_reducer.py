@@ -24,19 +24,28 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ddpkit.parallel.engine.buckets import Allocator, Bucket, default_allocator
-from ddpkit.parallel.engine.reducer import Reducer, initial_assignment
+from ddpkit.parallel.engine.buckets import (
+    Allocator,
+    Bucket,
+    default_allocator,
+    initial_assignment,
+)
+from ddpkit.parallel.engine.interfaces import ShardingTransport
+from ddpkit.parallel.engine.reducer import BucketReducer
 from ddpkit.parallel.zero.shard_layout import BucketShard
 
 
-class ScatterReducer(Reducer):
+class ScatterReducer(BucketReducer):
     """The engine's reducer, keeping only this rank's chunk of each reduced bucket.
 
     Which chunk is the sharding's cut (:func:`ddpkit.parallel.zero.shard_layout.
     bucket_shards`), given by :meth:`keep` once the buckets exist and before the first
     backward; ``grad_shards[b]`` then holds bucket b's reduced chunk after each
-    synchronized backward.
+    synchronized backward. Its transport is a
+    :class:`~ddpkit.parallel.engine.interfaces.ShardingTransport`.
     """
+
+    transport: ShardingTransport
 
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], group, *,
                  limits_bytes: Sequence[int], allocate: Allocator | None = None,
@@ -86,7 +95,7 @@ class ScatterReducer(Reducer):
 
     def _launch_now(self, bucket: Bucket, buffer: torch.Tensor,
                     views: list[torch.Tensor]) -> None:
-        # (Reducer._launch runs this outside autograd's thread-local state.)
+        # (BucketReducer._launch runs this outside autograd's thread-local state.)
         for i in self._waiting.pop(bucket.index, []):
             self._move_into_bucket(i, self.params[i])
         if self.world_size > 1:
