@@ -56,8 +56,8 @@ def test_cuda_module_decides_without_any_exchange(monkeypatch):
 
     monkeypatch.setattr(transport.auto, "layout", no_exchange)
     monkeypatch.setattr(transport.dist, "get_world_size", lambda group=None: 4)
-    assert transport.resolve("auto", ["cuda"], None) == "backend"
-    assert transport.resolve("shm", ["cpu"], None) == "shm"
+    assert transport.resolve_comm("auto", ["cuda"], None) == "backend"
+    assert transport.resolve_comm("shm", ["cpu"], None) == "shm"
 
 
 # -- training with every choice ---------------------------------------------------------------

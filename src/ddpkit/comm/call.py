@@ -85,7 +85,7 @@ class Call:
         in depends only on the algo argument, the group and the device type, so a rank
         that refuses still meets its peers there and refuses in-band."""
         try:
-            self.name, self.impl = registry.resolve(self.algo_arg, _DeviceOnly(device),
+            self.name, self.impl = registry.resolve_algo(self.algo_arg, _DeviceOnly(device),
                                                     self.group)
         except CommError as err:
             if self.problem is None:

@@ -10,7 +10,6 @@ DataParallel / torch DDP comm hook). The names users need are re-exported here.
 
 from ddpkit.comm.shm import segment, sync
 from ddpkit.comm.shm.algorithm import (
-    all_reduce,
     backend_all_reduce,
     group_communicator,
     supports,
@@ -29,7 +28,6 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ShmCommunicator",
     "ShmState",
-    "all_reduce",
     "backend_all_reduce",
     "group_communicator",
     "host_key",

@@ -209,7 +209,7 @@ class ShmCollectives:
             "broadcast", "-", tensor.dtype, src)[1]
         flat = self._flat(tensor)
         if self.nhosts > 1:
-            hierarchical.broadcast(self, flat, src, code)
+            hierarchical.broadcast_across(self, flat, src, code)
         else:
             root = self._local_of(src, "src")
             self._send_from(root, flat, flat.numel(), flat.dtype, code, self._into(flat))
@@ -249,7 +249,7 @@ class ShmCollectives:
             raise CommError(f"all_gather: output must hold {self.view.size} x {m} {dtype} "
                             f"elements, got {out.numel()} {out.dtype}")
         if self.nhosts > 1:
-            hierarchical.all_gather(self, out, src, code)
+            hierarchical.all_gather_across(self, out, src, code)
         else:
             self._gather_local(out, src, code)
         if out.data_ptr() != output.data_ptr():
@@ -367,7 +367,7 @@ class ShmCollectives:
             raise CommError(f"reduce_scatter: input must hold {n} x {m} {out.dtype} elements, "
                             f"got {src.numel()} {dtype}")
         if self.nhosts > 1:
-            hierarchical.reduce_scatter(self, out, src, name, code)
+            hierarchical.reduce_scatter_across(self, out, src, name, code)
         else:
             self._reduce_scatter_local(out, src, name, code)
         if out.data_ptr() != output.data_ptr():
@@ -415,7 +415,7 @@ class ShmCollectives:
         self.view.group_rank_of(dst, "dst")
         if self.nhosts > 1:
             flat = self._flat(tensor)
-            hierarchical.reduce(self, flat, dst, name, code)
+            hierarchical.reduce_across(self, flat, dst, name, code)
             if flat.data_ptr() != tensor.data_ptr() and self._is(dst):
                 tensor.copy_(flat.view_as(tensor))
             return tensor

@@ -129,8 +129,3 @@ class SparseReducer:
                 torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device), p.shape,
                 check_invariants=True)  # nothing to check in an empty tensor; says so
             self._reduce_one(i, empty)
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []

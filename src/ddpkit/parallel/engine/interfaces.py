@@ -124,7 +124,3 @@ class Reducer(Protocol):
     def bucket_sizes(self) -> list[int]:
         """Elements per reduction unit, in the same order."""
         ...
-
-    def remove_hooks(self) -> None:
-        """Take the reducer's autograd hooks off the parameters."""
-        ...

@@ -438,9 +438,3 @@ class BucketReducer:
             self.used = [False] * len(self.params)
             self._reduce_used_flags()
         self.synced_iterations += 1
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-

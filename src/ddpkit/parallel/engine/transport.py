@@ -75,7 +75,7 @@ def choose(comm: str, device_types: Sequence[str], world_size: int, *,
     return "shm" if algo in ("shm", "hierarchical") else "backend"
 
 
-def resolve(comm: str, device_types: Sequence[str], group) -> str:
+def resolve_comm(comm: str, device_types: Sequence[str], group) -> str:
     """:func:`choose` for a live group. Only a CPU module's ``"auto"`` exchanges anything
     (the group's host layout, once per group: every rank calls this in the constructor);
     explicit choices and accelerator modules decide without communication."""
@@ -307,7 +307,7 @@ def build(comm: str, device_types: Sequence[str], group):
     (with one warning) where the shared segment cannot be set up; every rank learns that
     at the same collective, so all fall back together. An explicit ``"shm"`` that cannot
     work is a one-line error on every rank."""
-    choice = resolve(comm, device_types, group)
+    choice = resolve_comm(comm, device_types, group)
     if choice == "shm" and comm == "shm":
         lay = auto.layout(group)
         if not lay.shm_ok:

@@ -37,7 +37,7 @@ class ExactTransport:
 
     def __init__(self, comm: str, device: torch.device, group):
         self.group = group
-        self.name = transport.resolve(comm, [device.type], group)
+        self.name = transport.resolve_comm(comm, [device.type], group)
         self._shm: transport.ShmTransport | None = None
         if self.name == "shm" and dist.get_world_size(group) > 1:
             built = transport.build(comm, [device.type], group)
