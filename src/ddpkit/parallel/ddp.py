@@ -37,7 +37,7 @@ from ddpkit import host_malloc, lifetime
 from ddpkit.errors import ConfigError, ConfigTypeError, UsageError
 from ddpkit.parallel.compat import torch_compat
 from ddpkit.parallel.compat.ddp_logging import LoggingData
-from ddpkit.parallel.compat.ddp_pickle import pickled_state
+from ddpkit.parallel.compat.ddp_pickle import loaded_options, pickled_state
 from ddpkit.parallel.compat.sparse_grads import sparse_parameters
 from ddpkit.parallel.compat.torch_compat import TorchMethods
 from ddpkit.parallel.engine.interfaces import CommHook, Reducer, Transport
@@ -276,7 +276,9 @@ class DataParallel(ShardingMethods, JoinMethods, TorchMethods, nn.Module, Joinab
         return pickled_state(self)
 
     def __setstate__(self, state: dict) -> None:
+        options = loaded_options(state)
         super().__setstate__(state)
+        self._options = options
         self._attach(None)
         self._build_engine(lazy=True)
 

@@ -34,8 +34,8 @@ META_WORDS = LINE_WORDS - META
 SPIN_S = 50e-6  # pure spinning: about the cost of two context switches
 YIELD_S = 2e-3  # then sched_yield for a while
 # then sleeps doubling up to this: a waiter oversleeps its peer's arrival by up to one
-# pause, so the cap bounds that loss (0.2 ms: about 1000 wake-ups a second while a peer
-# is long late, a fraction of a percent of a core)
+# pause, so the cap bounds that loss, while the wake-ups of a waiter whose peer is long
+# late stay cheap
 MAX_SLEEP_S = 2e-4
 LIVENESS_EVERY_S = 0.2
 
