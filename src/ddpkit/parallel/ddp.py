@@ -317,7 +317,7 @@ class DataParallel(ShardingMethods, JoinMethods, TorchMethods, nn.Module, Joinab
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if "torch._dynamo" in sys.modules:  # torch.compile may be tracing this call
             _before_forward_eagerly(self)
-        else:  # importing torch._dynamo costs 1.6 s: not for programs that never compile
+        else:  # importing torch._dynamo is slow: not for programs that never compile
             self._before_forward()
         if self._input_device is not None:
             args, kwargs = torch_compat.move_inputs(self._input_device, args, kwargs)
