@@ -13,7 +13,10 @@ the backend avoids it for the whole step: ``broadcast(tensors, src)`` (the buffe
 before each forward, the bucket order at the rebuild, the final state after a join) and
 ``sum_(tensor)`` (small integer vectors, blocking: the ``find_unused_parameters`` flags
 and join's per-forward "who still trains"). The backend transports make exactly the
-torch.distributed calls the engine always made; ``"shm"`` makes none on one host.
+torch.distributed calls the engine always made; ``"shm"`` makes none on one host. Each
+transport here implements :class:`ddpkit.parallel.engine.interfaces.Transport`, and
+:class:`~ddpkit.parallel.engine.interfaces.ShardingTransport` for ZeRO-2 and 3
+(``reduce_own_chunk``, ``all_gather_chunks``).
 
 ``"auto"`` (the default) is decided once per engine, from the devices of the module's
 parameters and the group's layout (:func:`ddpkit.comm.auto.algo_for`): CPU ranks that

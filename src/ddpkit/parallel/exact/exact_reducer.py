@@ -17,8 +17,9 @@ bits on any rank. When the slice's backward ends, its gradients are kept for the
 goes back to None, so the next slice's backward starts clean.
 When the last local slice's backward ends, the kept gradients are summed with
 :class:`ddpkit.parallel.exact.exact_sum.ExactMean` (an associative fixed-point sum, one MAX
-and one SUM all-reduce) and ``.grad`` holds the mean over the V slices: the sum does
-not depend on which rank held which slice, so neither do the bits.
+and one SUM all-reduce, run by :mod:`ddpkit.parallel.exact.exact_transport`) and
+``.grad`` holds the mean over the V slices: the sum does not depend on which rank held
+which slice, so neither do the bits.
 
 What exact mode refuses (one line each): comm hooks, ``no_sync()`` (accumulation is
 more slices), ``ddpkit.join`` (slices are equal by construction), layers that update
