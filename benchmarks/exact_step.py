@@ -78,11 +78,12 @@ def _timed(name: str, fn):
     return run
 
 
-# Where a tree from before parallel/'s subpackages kept what exact mode imports.
+# What a tree from before parallel/'s subpackages imports for exact mode, and its name here.
 _OLD_HOMES = {
     "from ddpkit.parallel import transport": "from ddpkit.parallel.engine import transport",
     "from ddpkit.parallel.exact_slices import": "from ddpkit.parallel.exact.slices import",
     "from ddpkit.parallel.state_sync import": "from ddpkit.parallel.engine.state_sync import",
+    "transport.resolve(": "transport.resolve_comm(",
 }
 
 
