@@ -23,7 +23,7 @@ import sys
 import torch
 
 import ddpkit
-from ddpkit.parallel.exact_sum import ExactMean
+from ddpkit.parallel.exact.exact_sum import ExactMean
 
 
 def worker(world, batch_size: int, epochs: int) -> dict:

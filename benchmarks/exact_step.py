@@ -55,8 +55,8 @@ from torch import nn
 import ddpkit
 from ddpkit.bench.output import write_json
 from ddpkit.host_malloc import worker_malloc_env
-from ddpkit.parallel.exact_reducer import ExactReducer
-from ddpkit.parallel.exact_sum import ExactMean
+from ddpkit.parallel.exact.exact_sum import ExactMean
+from ddpkit.parallel.exact.exact_transport import ExactTransport
 from ddpkit.slice_count import default_slices
 from ddpkit.train.models import MLP
 
@@ -78,15 +78,32 @@ def _timed(name: str, fn):
     return run
 
 
+# What a tree from before parallel/'s subpackages imports for exact mode, and its name here.
+_OLD_HOMES = {
+    "from ddpkit.parallel import transport": "from ddpkit.parallel.engine import transport",
+    "from ddpkit.parallel.exact_slices import": "from ddpkit.parallel.exact.slices import",
+    "from ddpkit.parallel.state_sync import": "from ddpkit.parallel.engine.state_sync import",
+    "transport.resolve(": "transport.resolve_comm(",
+}
+
+
 def _load_baseline(src: str):
     """The exact-mode reducer module of the ddpkit source tree ``src``, loaded beside
-    this one (as ``baseline_exact_reducer``, using that tree's exact sum)."""
+    this one (as ``baseline_exact_reducer``, using that tree's exact sum): from its
+    ``parallel/exact/`` package, or from ``parallel/`` in a tree from before it (whose
+    imports are pointed at their homes here)."""
+    package = os.path.join(src, "ddpkit", "parallel", "exact")
+    old = not os.path.isdir(package)
+    where = os.path.dirname(package) if old else package
+    prefix = "ddpkit.parallel." if old else "ddpkit.parallel.exact."
     modules = {}
     for name in ("exact_sum", "exact_reducer"):
-        path = os.path.join(src, "ddpkit", "parallel", f"{name}.py")
+        path = os.path.join(where, f"{name}.py")
         with open(path) as f:
-            text = f.read().replace("from ddpkit.parallel.exact_sum import",
+            text = f.read().replace(f"from {prefix}exact_sum import",
                                     "from baseline_exact_sum import")
+        for was, now in _OLD_HOMES.items() if old else ():
+            text = text.replace(was, now)
         spec = importlib.util.spec_from_loader(f"baseline_{name}", loader=None)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module
@@ -95,31 +112,45 @@ def _load_baseline(src: str):
     return modules["exact_reducer"], modules["exact_sum"]
 
 
-def _baseline_model(baseline, module: nn.Module, slices: int) -> ddpkit.DataParallel:
-    """An exact DataParallel whose reducer is the baseline tree's."""
+def _baseline_model(baseline, module: nn.Module, slices: int):
+    """An exact DataParallel whose reducer is the baseline tree's, and its slice loop (a
+    tree from before exact mode's own transport: that reducer is the transport too)."""
     model = ddpkit.DataParallel(module, exact=True, slices=slices)
     model.reducer.remove_hooks()
-    model.reducer.close()
     trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    baseline.attach(model, module, trainable, None, slices=slices, comm="auto",
-                    comm_hook=None, find_unused_parameters=False)
-    return model
+    if hasattr(baseline, "attach"):
+        model.transport.close()
+        reducer = baseline.ExactReducer(module, trainable, None, slices=slices, comm="auto",
+                                        find_unused_parameters=False)
+        model.transport = reducer
+    else:
+        reducer = baseline.ExactReducer(module, trainable, None, model.transport,
+                                        slices=slices, find_unused_parameters=False)
+    model.reducer = reducer
+    return model, lambda *tensors: reducer.slices(tensors)
 
 
-def _instrument(reducer=ExactReducer, mean=ExactMean) -> None:
-    """Time the exact sum's phases (benchmark only: wraps the methods in place)."""
+def _instrument(transport=ExactTransport, mean=ExactMean, reducer=None) -> None:
+    """Time the exact sum's phases (benchmark only: wraps the methods in place): the
+    two all-reduces where ``transport`` runs them, or (a tree from before exact mode's
+    own transport) where ``reducer`` did."""
     # the entry points the sum runs through (this tree's, or an older one's)
     mean_max = "_local_max" if hasattr(mean, "_local_max") else "local_max"
     mean_encode = "_encode" if hasattr(mean, "_encode") else "encode"
     setattr(mean, mean_max, _timed("max", getattr(mean, mean_max)))
     setattr(mean, mean_encode, _timed("encode", getattr(mean, mean_encode)))
     mean.decode = _timed("decode", mean.decode)
-    collective = reducer._collective
+    if reducer is not None:
+        collective = reducer._collective
 
-    def timed_collective(self, op):
-        return _timed(f"all_reduce_{op}", collective(self, op))
+        def timed_collective(self, op):
+            return _timed(f"all_reduce_{op}", collective(self, op))
 
-    reducer._collective = timed_collective
+        reducer._collective = timed_collective
+        return
+    if transport is not None:
+        transport.max_ = _timed("all_reduce_max", transport.max_)
+        transport.sum_ = _timed("all_reduce_sum", transport.sum_)
 
 
 def _main_model() -> nn.Module:
@@ -141,7 +172,10 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
     baseline = None
     if opts["baseline_src"]:
         baseline, baseline_sum = _load_baseline(opts["baseline_src"])
-        _instrument(baseline.ExactReducer, baseline_sum.ExactMean)
+        if hasattr(baseline, "attach"):
+            _instrument(mean=baseline_sum.ExactMean, reducer=baseline.ExactReducer)
+        else:  # on this tree's transport, timed already
+            _instrument(transport=None, mean=baseline_sum.ExactMean)
     W, rank = world.world_size, world.rank
     runs = {}
     for model_name, batch, width, v in _cases(opts):
@@ -154,12 +188,17 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
             if slices is not None and (batch % slices or slices % W):
                 continue
             module = copy.deepcopy(base)
-            model = (ddpkit.DataParallel(module) if slices is None else
-                     _baseline_model(baseline, module, slices) if variant.endswith("_base")
-                     else ddpkit.DataParallel(module, exact=True, slices=slices))
+            if slices is None:
+                model, slice_loop = ddpkit.DataParallel(module), None
+            elif variant.endswith("_base"):
+                model, slice_loop = _baseline_model(baseline, module, slices)
+            else:
+                model = ddpkit.DataParallel(module, exact=True, slices=slices)
+                slice_loop = model.slices
             torch.set_num_threads(1)  # exact mode pins 1 too; the default the same
             runs[(model_name, batch, variant)] = {
-                "model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.01),
+                "model": model, "slice_loop": slice_loop,
+                "opt": torch.optim.SGD(model.parameters(), lr=0.01),
                 "slices": slices, "width": width, "batch": batch, "times": [],
                 "phases": collections.defaultdict(list)}
     keys = list(runs)
@@ -187,7 +226,7 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
                 if r["slices"] is None:
                     F.cross_entropy(model(x), y).backward()
                 else:
-                    for xs, ys in model.slices(x, y):
+                    for xs, ys in r["slice_loop"](x, y):
                         F.cross_entropy(model(xs), ys).backward()
                 r["opt"].step()
                 elapsed = time.perf_counter() - start

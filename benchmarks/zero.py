@@ -45,7 +45,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.jsonfiles import write_atomic
-from ddpkit.parallel.sharded_state import state_bytes
+from ddpkit.parallel.zero.sharded_state import state_bytes
 
 MODELS = {"mlp14m": (1536, 6), "mlp200m": (5000, 8)}  # (width, Linear layers)
 VARIANTS = ("dp_none", "dp_optimizer", "dp_gradients", "dp_parameters", "torch_ddp",

@@ -197,7 +197,7 @@ def auto_dispatch(world) -> dict:
     auto.forget()
     out = {}
     for device in ("cuda:0", "cuda:1", "cpu", "mps"):
-        name, impl = registry.resolve("auto", FakeTensor(device), None)
+        name, impl = registry.resolve_algo("auto", FakeTensor(device), None)
         out[device] = (name, type(impl).__name__)
     out["algo_for(cuda string)"] = auto.algo_for(None, "cuda")
     out["algo_for(cpu tensor)"] = auto.algo_for(None, torch.ones(1))

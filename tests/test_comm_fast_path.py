@@ -14,14 +14,14 @@ from test_comm_errors import _outcome
 def run_routes(world):
     r, last = world.rank, world.world_size - 1
     built = []
-    original = collectives._Call
+    original = collectives.Call
 
     class Counted(original):
         def __init__(self, *args, **kwargs):
             built.append(args[0])
             super().__init__(*args, **kwargs)
 
-    collectives._Call = Counted
+    collectives.Call = Counted
     try:
         fast_path.forget()
         results = []
@@ -46,7 +46,7 @@ def run_routes(world):
         comm.all_reduce(torch.ones(4))
         full_after_change = len(built) - before
     finally:
-        collectives._Call = original
+        collectives.Call = original
     return {"results": results, "full_path_calls": full_path_calls, "size": size,
             "refused": refused, "after": after.tolist(),
             "full_after_change": full_after_change}

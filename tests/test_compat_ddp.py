@@ -181,6 +181,40 @@ def run_compiled(world):
     return sorted(theirs) == sorted(ours), diff, ours
 
 
+def run_pickle_names(world):
+    """The classes and functions of ddpkit a pickled DataParallel names (found while
+    loading it: each is a path torch.load must find), and whether the copy trains."""
+    import io
+    import pickle
+
+    import ddpkit
+    from ddpkit.parallel.hooks import allreduce_hook
+
+    named = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            if module.startswith("ddpkit"):
+                named.add(f"{module}.{name}")
+            return super().find_class(module, name)
+
+    torch.manual_seed(0)
+    model = ddpkit.DataParallel(nn.Linear(4, 2), comm_hook=allreduce_hook)
+    loaded = Recording(io.BytesIO(pickle.dumps(model))).load()
+    loaded(torch.ones(3, 4)).sum().backward()
+    trained = all(p.grad is not None for p in loaded.parameters())
+    return sorted(named), trained, loaded.reducer.comm_hook is allreduce_hook
+
+
+def test_a_pickle_names_only_dataparallel_and_the_hook_it_was_given(pools):
+    """torch.save(model) stores class paths: only DataParallel's (ddpkit.parallel.ddp) and
+    the given hook's, so the engine's own modules can move without breaking a pickle."""
+    for named, trained, hooked in pools(2).run(run_pickle_names):
+        assert named == ["ddpkit.parallel.ddp.DataParallel",
+                         "ddpkit.parallel.hooks.allreduce_hook"], named
+        assert trained and hooked
+
+
 def test_torch_compile_of_the_wrapped_model_trains_like_torch_ddp(pools):
     """torch.compile(DataParallel(net)) compiles net's forward and runs the engine eagerly.
 

@@ -5,7 +5,7 @@ import torch
 
 from ddpkit.errors import ConfigError
 from ddpkit.parallel import data_parallel
-from ddpkit.parallel.buckets import MIB, assign_buckets, build_buckets, size_limits
+from ddpkit.parallel.engine.buckets import MIB, assign_buckets, build_buckets, size_limits
 
 
 def _f32(numel):

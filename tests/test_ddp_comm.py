@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpkit.errors import ConfigError
-from ddpkit.parallel import transport
-from ddpkit.parallel.transport import choose
+from ddpkit.parallel.engine import transport
+from ddpkit.parallel.engine.transport import choose
 
 COMMS = ("auto", "backend", "ring", "shm")
 
@@ -56,8 +56,8 @@ def test_cuda_module_decides_without_any_exchange(monkeypatch):
 
     monkeypatch.setattr(transport.auto, "layout", no_exchange)
     monkeypatch.setattr(transport.dist, "get_world_size", lambda group=None: 4)
-    assert transport.resolve("auto", ["cuda"], None) == "backend"
-    assert transport.resolve("shm", ["cpu"], None) == "shm"
+    assert transport.resolve_comm("auto", ["cuda"], None) == "backend"
+    assert transport.resolve_comm("shm", ["cpu"], None) == "shm"
 
 
 # -- training with every choice ---------------------------------------------------------------
@@ -285,3 +285,84 @@ def test_ddpkit_verify_cli_with_comm_shm():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.rstrip().endswith("PASS")
+
+
+# -- every mode is one reducer and one transport, each the whole interface ------------------
+
+def _protocol_members(protocol) -> dict[str, object]:
+    """The members a Protocol names (its own and its Protocol bases'): name -> the
+    Protocol's function (None for a data member)."""
+    members: dict[str, object] = {}
+    for base in reversed(protocol.__mro__):
+        if not getattr(base, "_is_protocol", False) or base.__name__ == "Protocol":
+            continue
+        members.update(dict.fromkeys(getattr(base, "__annotations__", {})))
+        for name, value in vars(base).items():
+            if not name.startswith("_"):
+                members[name] = value if callable(value) else None
+    return members
+
+
+def _missing(obj, protocol) -> list[str]:
+    """What ``obj`` lacks of ``protocol``: absent members, and methods whose parameters
+    are not the Protocol's."""
+    import inspect
+
+    missing = []
+    for name, declared in _protocol_members(protocol).items():
+        if not hasattr(obj, name):
+            missing.append(name)
+        elif declared is not None:
+            want = list(inspect.signature(declared).parameters)[1:]
+            got = list(inspect.signature(getattr(obj, name)).parameters)
+            if got != want:
+                missing.append(f"{name}{tuple(got)} != {tuple(want)}")
+    return missing
+
+
+def _interfaces(world):
+    import ddpkit
+    from ddpkit.parallel.engine.interfaces import Reducer, ShardingTransport, Transport
+
+    def net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+
+    models = {f"comm={c}": ddpkit.DataParallel(net(), comm=c) for c in COMMS}
+    models["shard=gradients"] = ddpkit.DataParallel(net(), shard="gradients")
+    models["copy"] = copy.deepcopy(models["comm=auto"])  # a lazy transport
+    try:
+        models["exact"] = ddpkit.DataParallel(net(), exact=True, slices=2)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(1)
+    out = {}
+    for name, model in models.items():
+        wants = [(model.reducer, Reducer),
+                 (model.transport, ShardingTransport if "shard" in name else Transport)]
+        out[name] = {"missing": [f"{type(o).__name__}.{m}" for o, p in wants
+                                 for m in _missing(o, p)],
+                     "apart": model.reducer is not model.transport,
+                     "comm": model.comm}
+    return out
+
+
+def test_every_mode_is_a_whole_reducer_and_a_whole_transport(pools):
+    for res in pools(2).run(_interfaces):
+        for name, found in res.items():
+            assert found["missing"] == [] and found["apart"], (name, found)
+        assert res["exact"]["comm"] == res["comm=auto"]["comm"] == "shm"
+
+
+def test_the_member_check_sees_a_missing_member():
+    from ddpkit.parallel.engine.interfaces import Transport
+
+    class Partial:
+        name, reduces_inline = "x", True
+
+        def allocate(self, numel, dtype, device): ...
+
+        def all_reduce(self, buffer, extra): ...
+
+    assert _missing(Partial(), Transport) == [
+        "all_reduce('buffer', 'extra') != ('buffer',)", "broadcast", "sum_", "close"]

@@ -15,8 +15,8 @@ import torch
 
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
-from ddpkit.parallel.exact_slices import owned_slices, slice_positions, slice_rng, slice_seed
-from ddpkit.parallel.exact_sum import ExactMean, fixed_point_bits
+from ddpkit.parallel.exact.exact_sum import ExactMean, fixed_point_bits
+from ddpkit.parallel.exact.slices import owned_slices, slice_positions, slice_rng, slice_seed
 from ddpkit.slice_count import check_slices, default_slices, world_sizes
 
 

@@ -3,9 +3,9 @@ part of which parameter a chunk holds, and the cut is the shm all-reduce's own."
 
 import torch
 
-from ddpkit.comm.shm.collectives import chunk_bounds
-from ddpkit.parallel.buckets import assign_buckets, build_buckets
-from ddpkit.parallel.shard_layout import Piece, bucket_shards, pieces_in
+from ddpkit.comm import chunk_bounds
+from ddpkit.parallel.engine.buckets import assign_buckets, build_buckets
+from ddpkit.parallel.zero.shard_layout import Piece, bucket_shards, pieces_in
 
 
 def test_pieces_cover_exactly_the_chunk():

@@ -429,12 +429,12 @@ def registry_functions(world) -> list:
     from ddpkit.comm import shm
 
     x = torch.full((1000,), float(world.rank + 1))
-    shm.all_reduce(x, "avg")
+    shm.group_communicator().all_reduce(x, "avg")
     cpu_ok = shm.supports(torch.ones(3))
     return [x[0].item(), cpu_ok, shm.group_communicator() is not None]
 
 
-def test_module_level_all_reduce_and_supports(pools):
+def test_group_communicator_and_supports(pools):
     for mean, supported, has_comm in pools(2).run(registry_functions):
         assert mean == 1.5 and supported and has_comm
 
@@ -660,7 +660,7 @@ def through_ddpkit_comm(world) -> list:
     comm.all_reduce(via_shm, algo="shm")
     via_auto = x.clone()
     comm.all_reduce(via_auto, op="avg", algo="auto")
-    picked = registry.resolve("auto", x, None)[0]
+    picked = registry.resolve_algo("auto", x, None)[0]
     handle = comm.all_reduce(x, algo="shm", async_op=True)  # runs on a companion group
     handle.wait()
     return [torch.equal(via_shm, expected), torch.equal(via_auto, expected / world.world_size),

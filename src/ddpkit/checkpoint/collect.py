@@ -16,8 +16,8 @@ from ddpkit.checkpoint.rng import gather_rng_states, set_rng_state
 from ddpkit.checkpoint.store import FORMAT, RANK_SHARD, SHARD_FILES, Checkpointer, CheckpointError
 from ddpkit.errors import DdpkitError
 from ddpkit.log import get_logger
-from ddpkit.parallel.exact_reducer import ExactReducer
-from ddpkit.parallel.sharded_state import is_sharded_state
+from ddpkit.parallel.exact.exact_reducer import ExactReducer
+from ddpkit.parallel.zero.sharded_state import is_sharded_state
 from ddpkit.slice_count import saved_slice_count
 
 log = get_logger(__name__)

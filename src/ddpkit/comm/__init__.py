@@ -7,9 +7,16 @@ tensors on one host, "hierarchical" across hosts, "backend" for CUDA tensors; se
 (the tutorial's unsegmented one), "backend" (torch's own collective), "shm",
 "hierarchical", or any name added with :func:`register_algorithm`. See
 docs/collectives.md.
+
+Also public, for the layers above (the DDP engine) and for users: :func:`chunk_bounds`
+(the cut of a flat tensor among ranks that the shared-memory all-reduce sums by, and
+ZeRO's shards follow), the modules :mod:`ddpkit.comm.auto` (what "auto" chooses) and the
+package :mod:`ddpkit.comm.shm` (the shared-memory communicator and its comm hook).
 """
 
+from ddpkit.comm import auto, shm
 from ddpkit.comm.backend import BackendAlgorithm
+from ddpkit.comm.chunks import chunk_bounds
 from ddpkit.comm.collectives import (
     all_gather,
     all_reduce,
@@ -37,12 +44,15 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "barrier",
+    "auto",
     "broadcast",
+    "chunk_bounds",
     "close_lanes",
     "get_algorithm",
     "new_group",
     "reduce",
     "reduce_scatter",
     "register_algorithm",
+    "shm",
     "unregister_algorithm",
 ]

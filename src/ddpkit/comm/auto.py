@@ -1,6 +1,6 @@
 """What ``algo="auto"`` (and ``DataParallel(comm="auto")``) runs: decided once per group.
 
-Stable API (other modules resolve "auto" through these two functions):
+Stable API (other modules resolve "auto" through these functions):
 
 ``choose_algo(device_type, same_host, world_size, *, shm_ok=True, max_local=None) -> str``
     The pure decision, no communication. Returns one of
@@ -22,6 +22,12 @@ Stable API (other modules resolve "auto" through these two functions):
     that first call, as every rank does when it runs the same collective); the answer
     is cached per (group, device type) and later calls are a dictionary lookup. A new
     default process group (``init_process_group`` again) starts a fresh cache.
+
+``layout(group) -> Layout``
+    What that one exchange learned about a group (its size, whether every rank is on
+    one host, whether every rank can use shared memory, the most ranks on one host), for
+    a caller that decides more than an algorithm (DataParallel's ``comm=``); collective
+    on the first call per group, cached after, as ``algo_for``.
 
 Host identity is :func:`ddpkit.comm.shm.host_key` (hostname + boot id), overridable per
 rank with ``$DDPKIT_HOST_ID``: tests use it to fake a two-host split on one machine.

@@ -73,7 +73,7 @@ def get_algorithm(name: str) -> object:
         raise CommError(f"unknown algorithm {name!r}; registered: {known}") from None
 
 
-def resolve(algo: str, tensor: torch.Tensor, group) -> tuple[str, object]:
+def resolve_algo(algo: str, tensor: torch.Tensor, group) -> tuple[str, object]:
     """(name, impl) for ``algo``; "auto" is decided once per group and device type."""
     if algo == "auto":
         algo = auto.algo_for(group, tensor.device)

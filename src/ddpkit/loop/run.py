@@ -74,7 +74,7 @@ from ddpkit.loop import inject
 from ddpkit.loop.metrics_log import MetricLog, check_writers, peak_rss_mib, truncate_records
 from ddpkit.loop.rank0 import cannot_create, decide_on_rank0
 from ddpkit.loop.sample_ids import SampleLog, truncate_sample_logs
-from ddpkit.parallel.exact_reducer import ExactReducer
+from ddpkit.parallel.exact.exact_reducer import ExactReducer
 from ddpkit.runtime import DEFAULT_TIMEOUT
 from ddpkit.slice_count import check_slices, default_slices
 

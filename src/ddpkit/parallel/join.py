@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.ddp import DataParallel
-from ddpkit.parallel.join_state import JoinState
+from ddpkit.parallel.engine.join_state import JoinState
 
 
 @contextlib.contextmanager

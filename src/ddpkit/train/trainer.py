@@ -60,7 +60,7 @@ from ddpkit.log import get_logger
 from ddpkit.loop import Run
 from ddpkit.loop.rank0 import cannot_create, decide_on_rank0
 from ddpkit.parallel import data_parallel
-from ddpkit.parallel.sharded_state import state_bytes
+from ddpkit.parallel.zero.sharded_state import state_bytes
 from ddpkit.run_lock import RunLock, held_for_us
 from ddpkit.slice_count import EXACT_THREADS
 from ddpkit.train import divergence, progress, recipe, report

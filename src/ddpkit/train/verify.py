@@ -36,8 +36,8 @@ from ddpkit.data.datasets import ArrayDataset
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
 from ddpkit.launcher_link import die_with_launcher
-from ddpkit.parallel.exact_slices import slice_rng
-from ddpkit.parallel.exact_sum import ExactMean
+from ddpkit.parallel.exact.exact_sum import ExactMean
+from ddpkit.parallel.exact.slices import slice_rng
 from ddpkit.runtime import distributed
 from ddpkit.train import recipe
 from ddpkit.train.config import Config

@@ -1,7 +1,7 @@
 """Shared-memory all-reduce for ranks on one host (see docs/shm.md).
 
 Modules: ``communicator`` (set-up, shared allocations, the check of every call),
-``collectives`` (all-reduce and the other collectives on one host), ``hierarchical``
+``shm_collectives`` (all-reduce and the other collectives on one host), ``hierarchical``
 (the same across hosts), ``signature`` (the word each call is checked by), ``algorithm``
 (the registry's "shm" algorithm and auto's choice of it), ``segment`` (POSIX
 shared-memory files), ``sync`` (barriers over a control block) and ``hook`` (the
@@ -10,7 +10,6 @@ DataParallel / torch DDP comm hook). The names users need are re-exported here.
 
 from ddpkit.comm.shm import segment, sync
 from ddpkit.comm.shm.algorithm import (
-    all_reduce,
     backend_all_reduce,
     group_communicator,
     supports,
@@ -29,7 +28,6 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "ShmCommunicator",
     "ShmState",
-    "all_reduce",
     "backend_all_reduce",
     "group_communicator",
     "host_key",

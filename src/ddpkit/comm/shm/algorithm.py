@@ -53,17 +53,6 @@ def backend_all_reduce(tensor: torch.Tensor, op: str, group=None) -> torch.Tenso
     return tensor
 
 
-def all_reduce(tensor: torch.Tensor, op: str | dist.ReduceOp = "sum", group=None) -> torch.Tensor:
-    """Shm when usable, else the backend's own all_reduce (no in-band check of the
-    public layer's signature: use ``ddpkit.comm.all_reduce`` for that)."""
-    if groups.view(group) is None:
-        return tensor  # not a member: a no-op, as in torch
-    comm = group_communicator(group)
-    if comm is None:
-        return backend_all_reduce(tensor, op, group)
-    return comm.all_reduce(tensor, op)
-
-
 class ShmAlgorithm:
     """The registry's "shm" and "hierarchical": every collective on the group's shared
     :class:`ShmCommunicator`.

@@ -9,7 +9,7 @@ places tensors in shared memory of their own, so collectives on them copy nothin
 
 Every call is checked at its first barrier: each rank publishes a signature word
 (:mod:`ddpkit.comm.shm.signature`) and a call whose ranks disagree raises the same
-error everywhere. The collectives themselves are in :mod:`ddpkit.comm.shm.collectives`.
+error everywhere. The collectives themselves are in :mod:`ddpkit.comm.shm.shm_collectives`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ddpkit.comm import groups, ops
 from ddpkit.comm.ops import dtype_label
 from ddpkit.comm.shm import hierarchical, segment
-from ddpkit.comm.shm.collectives import SMALL_BYTES, ShmCollectives
+from ddpkit.comm.shm.shm_collectives import SMALL_BYTES, ShmCollectives
 from ddpkit.comm.shm.signature import describe_call, signature_word
 from ddpkit.comm.shm.sync import META_WORDS, Control, block_bytes, memory_model_ok
 from ddpkit.errors import CommError

@@ -118,7 +118,7 @@ def _leader(comm, host: int) -> int:
     return comm.view.global_rank(comm.hosts[host][0])
 
 
-def broadcast(comm, flat: torch.Tensor, src: int, code: int) -> None:
+def broadcast_across(comm, flat: torch.Tensor, src: int, code: int) -> None:
     """``flat`` from global rank ``src`` to every rank (in place)."""
     numel, dtype = flat.numel(), flat.dtype
     home = _host_of(comm, src, "src")
@@ -130,7 +130,7 @@ def broadcast(comm, flat: torch.Tensor, src: int, code: int) -> None:
         comm._send_from(0, flat, numel, dtype, code, comm._into(flat))
 
 
-def reduce(comm, flat: torch.Tensor, dst: int, name: str, code: int) -> None:
+def reduce_across(comm, flat: torch.Tensor, dst: int, name: str, code: int) -> None:
     """Reduce ``flat`` onto global rank ``dst``; every other rank's ``flat`` is left as
     it was (they reduce copies)."""
     numel, dtype = flat.numel(), flat.dtype
@@ -157,7 +157,7 @@ def _check_blocks(comm, collective: str) -> None:
             f"{comm.nhosts} hosts); use algo='backend'")
 
 
-def all_gather(comm, out: torch.Tensor, src: torch.Tensor, code: int) -> None:
+def all_gather_across(comm, out: torch.Tensor, src: torch.Tensor, code: int) -> None:
     """Every rank's ``src`` into ``out`` in group-rank order (needs :func:`host_blocks`)."""
     _check_blocks(comm, "all_gather")
     size = comm.local_size * src.numel()  # one host's block of ``out``
@@ -173,7 +173,7 @@ def all_gather(comm, out: torch.Tensor, src: torch.Tensor, code: int) -> None:
             comm._send_from(0, part, part.numel(), part.dtype, code, comm._into(part))
 
 
-def reduce_scatter(comm, out: torch.Tensor, src: torch.Tensor, name: str, code: int) -> None:
+def reduce_scatter_across(comm, out: torch.Tensor, src: torch.Tensor, name: str, code: int) -> None:
     """Reduce ``src`` across the group; group rank i gets block i in ``out`` (needs
     :func:`host_blocks`). ``src`` is left as it was."""
     _check_blocks(comm, "reduce_scatter")

@@ -26,7 +26,7 @@ log = get_logger(__name__)
 
 
 class ShmState:
-    """Comm state for :func:`shm_hook`; holds one :class:`~ddpkit.comm.ShmCommunicator`.
+    """Comm state for :func:`shm_hook`; holds one :class:`~ddpkit.comm.shm.ShmCommunicator`.
 
     Keyword options are passed to the communicator (``slot_mb``, ``timeout``,
     ``host_id``). The communicator is created collectively on first use.

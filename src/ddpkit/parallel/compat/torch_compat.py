@@ -11,6 +11,7 @@ torch's private debugging API), so that ``DataParallel`` carries the same names.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -21,10 +22,13 @@ from torch import nn
 from torch.distributed.utils import _to_kwargs
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
-from ddpkit.errors import ConfigError
+from ddpkit.errors import ConfigError, UsageError
+from ddpkit.parallel.engine.buckets import MIB
 
 # Where torch's _set_params_and_buffers_to_ignore_for_model leaves the names to skip.
 IGNORE_ATTRIBUTE = "_ddp_params_and_buffers_to_ignore"
+# torch DDP's: buffers and parameters are broadcast in messages of at most this size.
+BROADCAST_BUCKET_BYTES = 250 * MIB
 
 
 class TorchArgumentError(ConfigError):
@@ -161,7 +165,36 @@ def move_inputs(device: torch.device, args: tuple, kwargs: dict) -> tuple[tuple,
 class TorchMethods:
     """torch DDP's methods and properties that are not the engine (a mixin of
     DataParallel: reads its ``forward_sync_buffers``, ``require_forward_param_sync``,
-    ``modules_buffers``, ``dim``, ``device_type``, ``process_group``, ``_logging``)."""
+    ``modules_buffers``, ``dim``, ``device_type``, ``process_group``, ``static_graph``,
+    ``find_unused_parameters``, ``reducer``, ``_logging``)."""
+
+    def _set_torch_attributes(self, settings: dict[str, Any], *, device_ids: Any,
+                              output_device: Any, dim: int, bucket_cap_given: bool,
+                              static_graph: bool, find_unused_parameters: bool,
+                              gradient_as_bucket_view: bool, batched_grad_copy: bool) -> None:
+        """torch DDP's public attributes, from its arguments (``settings``: what
+        :func:`engine_settings` made of them). ``dim``, ``check_reduction`` and
+        ``batched_grad_copy`` need nothing more (see DataParallel's docstring)."""
+        self.device_ids = None if device_ids is None else list(device_ids)
+        self._input_device = single_device(self.module, device_ids, output_device)
+        self.output_device = self._input_device
+        self.dim = dim
+        self.static_graph = static_graph
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.batched_grad_copy = batched_grad_copy
+        self.bucket_bytes_cap_default = not bucket_cap_given
+        self.bucket_bytes_cap = int(settings["bucket_cap_mb"] * MIB)
+        self.broadcast_bucket_size = BROADCAST_BUCKET_BYTES
+        self.forward_sync_buffers = settings["broadcast_buffers"]
+        self.find_unused_parameters = find_unused_parameters
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.mixed_precision = None
+        self.skip_all_reduce_unused_params = False
+        # torch's switch for to_kwargs' copies to an accelerator (read the same way)
+        self.use_side_stream_for_tensor_copies = (
+            os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1")
+        self.parameters_to_ignore = set(getattr(self.module, IGNORE_ATTRIBUTE, ()))
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -213,7 +246,7 @@ class TorchMethods:
         setattr(module, IGNORE_ATTRIBUTE, list(params_and_buffers_to_ignore))
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """torch DDP's logging dictionary (see :mod:`ddpkit.parallel.ddp_logging`)."""
+        """torch DDP's logging dictionary (see :mod:`ddpkit.parallel.compat.ddp_logging`)."""
         return self._logging.snapshot()
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
@@ -225,3 +258,20 @@ class TorchMethods:
     @property
     def _distributed_rank(self) -> int:
         return dist.get_rank(self.process_group)
+
+    def _set_static_graph(self) -> None:
+        """Mark the graph static after construction (prefer ``static_graph=True``)."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.",
+                          stacklevel=2)
+            return
+        if self._logging.iterations:
+            self._raise(UsageError(
+                "_set_static_graph() should be called before training loop starts and after "
+                "DataParallel is constructed; pass static_graph=True to the constructor"))
+        self.static_graph = True
+        self.reducer.set_static_graph()
+        if self.find_unused_parameters:
+            warnings.warn(
+                "find_unused_parameters=True is not needed with _set_static_graph(): unused "
+                "parameters are found automatically (they must stay unused)", stacklevel=2)

@@ -10,10 +10,10 @@
   are cleared after backward, since only this rank's chunks hold reduced values.
 * ``"parameters"`` (ZeRO-3): as ``"gradients"``, and the full parameters are in memory
   only while a module holding them runs forward or backward (gathered per bucket,
-  released after; :mod:`ddpkit.parallel.layer_gathering`).
+  released after; :mod:`ddpkit.parallel.zero.layer_gathering`).
 
 All three sum every element in the order the unsharded all-reduce does (the shard cut is the
-all-reduce's own, :mod:`ddpkit.parallel.shard_layout`), so weights are bit for bit those
+all-reduce's own, :mod:`ddpkit.parallel.zero.shard_layout`), so weights are bit for bit those
 of ``shard="none"`` with the same ``comm`` (gathering copies values exactly). After
 ``opt.step()`` only this rank's chunks of the weights are new; the next forward (or
 state dict) first gathers every rank's.
@@ -31,10 +31,11 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from ddpkit.comm.collectives import all_reduce as comm_all_reduce
+from ddpkit.comm import all_reduce as comm_all_reduce
 from ddpkit.errors import ConfigError
-from ddpkit.parallel.layer_gathering import LayerGathering
-from ddpkit.parallel.sharded_params import ShardedParameters
+from ddpkit.parallel.zero.layer_gathering import LayerGathering
+from ddpkit.parallel.zero.shard_layout import bucket_shards
+from ddpkit.parallel.zero.sharded_params import ShardedParameters
 
 SHARD_CHOICES = ("none", "optimizer", "gradients", "parameters")
 
@@ -64,8 +65,13 @@ class Sharding:
         self.reducer = reducer
         # The shards the optimizer holds are cut from this layout: keep it.
         reducer.rebuilt = True
-        self.params = ShardedParameters(reducer.params, reducer.names, reducer.buckets,
-                                        dist.get_rank(group), dist.get_world_size(group),
+        # Which chunk of every bucket this rank owns: cut here, once, for the shard
+        # parameters and (ZeRO-2 and 3) for the reducer's reduce-scatter alike.
+        layout = bucket_shards(reducer.buckets, reducer.params, dist.get_rank(group),
+                               dist.get_world_size(group))
+        if self.scatters:
+            reducer.keep(layout)
+        self.params = ShardedParameters(reducer.params, reducer.names, reducer.buckets, layout,
                                         transport, own_shards=mode == "parameters")
         self.layers: LayerGathering | None = None
         if mode == "parameters":

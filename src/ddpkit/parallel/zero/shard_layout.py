@@ -2,7 +2,7 @@
 
 A sharded engine cuts each flat bucket (the parameters' values and their gradients, laid
 out alike) into one contiguous chunk per rank. The cut is the shared-memory
-all-reduce's own (:func:`ddpkit.comm.shm.collectives.chunk_bounds`): rank i sums chunk i
+all-reduce's own (:func:`ddpkit.comm.chunk_bounds`): rank i sums chunk i
 there, so a reduce-scatter that keeps only chunk i adds exactly the numbers the
 all-reduce adds, in the same order, and sharded training is bit for bit the unsharded
 one. A chunk starts on a cache line and may split a parameter; :class:`Piece` says
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ddpkit.comm.shm.collectives import chunk_bounds
-from ddpkit.parallel.buckets import Bucket
+from ddpkit.comm import chunk_bounds
+from ddpkit.parallel.engine.buckets import Bucket
 
 
 @dataclass(frozen=True)

@@ -23,14 +23,30 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ddpkit.comm.shm.collectives import chunk_bounds
-from ddpkit.parallel.buckets import Allocator, Bucket, default_allocator
-from ddpkit.parallel.reducer import Reducer, initial_assignment
+from ddpkit.parallel.engine.buckets import (
+    Allocator,
+    Bucket,
+    default_allocator,
+    initial_assignment,
+)
+from ddpkit.parallel.engine.interfaces import ShardingTransport
+from ddpkit.parallel.engine.reducer import BucketReducer
+from ddpkit.parallel.zero.shard_layout import BucketShard
 
 
-class ScatterReducer(Reducer):
+class ScatterReducer(BucketReducer):
+    """The engine's reducer, keeping only this rank's chunk of each reduced bucket.
+
+    Which chunk is the sharding's cut (:func:`ddpkit.parallel.zero.shard_layout.
+    bucket_shards`), given by :meth:`keep` once the buckets exist and before the first
+    backward; ``grad_shards[b]`` then holds bucket b's reduced chunk after each
+    synchronized backward. Its transport is a
+    :class:`~ddpkit.parallel.engine.interfaces.ShardingTransport`.
+    """
+
+    transport: ShardingTransport
+
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], group, *,
                  limits_bytes: Sequence[int], allocate: Allocator | None = None,
                  initial_bucketing: str = "reverse", **options):
@@ -52,16 +68,18 @@ class ScatterReducer(Reducer):
                          initial_bucketing=initial_bucketing, **options)
         self.rebuilt = True  # the optimizer's shards are cut from this layout
         self._defer_launches = False  # the scratch must be free before the next bucket
-        rank = dist.get_rank(group)
-        self.chunks = []
-        for bucket in self.buckets:
-            bounds = chunk_bounds(bucket.numel, bucket.buffer.element_size(), self.world_size)
-            self.chunks.append((bounds[rank], bounds[rank + 1]))
-        self.grad_shards = [torch.zeros(hi - lo, dtype=b.buffer.dtype, device=b.buffer.device)
-                            for b, (lo, hi) in zip(self.buckets, self.chunks)]
+        self.chunks: list[tuple[int, int]] = []
+        self.grad_shards: list[torch.Tensor] = []
         self._waiting: dict[int, list[int]] = {}  # bucket -> parameters not yet copied in
         # ZeRO-3's release of a bucket's parameters once its gradients are reduced
         self.after_bucket: Callable[[int], None] | None = None
+
+    def keep(self, layout: Sequence[BucketShard]) -> None:
+        """Keep chunk ``[lo, hi)`` of every bucket from now on (this rank's, in
+        ``layout``), in a persistent gradient shard per bucket."""
+        self.chunks = [(s.lo, s.hi) for s in layout]
+        self.grad_shards = [torch.zeros(hi - lo, dtype=b.buffer.dtype, device=b.buffer.device)
+                            for b, (lo, hi) in zip(self.buckets, self.chunks, strict=True)]
 
     def arm(self, divisor: int) -> None:
         super().arm(divisor)
@@ -77,11 +95,11 @@ class ScatterReducer(Reducer):
 
     def _launch_now(self, bucket: Bucket, buffer: torch.Tensor,
                     views: list[torch.Tensor]) -> None:
-        # (Reducer._launch runs this outside autograd's thread-local state.)
+        # (BucketReducer._launch runs this outside autograd's thread-local state.)
         for i in self._waiting.pop(bucket.index, []):
             self._move_into_bucket(i, self.params[i])
         if self.world_size > 1:
-            work = self.transport.reduce_scatter(buffer)
+            work = self.transport.reduce_own_chunk(buffer)
             if work is not None:
                 work.wait()
         lo, hi = self.chunks[bucket.index]

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import ops
+from ddpkit.comm.chunks import chunk_bounds
 from ddpkit.comm.shm import hierarchical
 from ddpkit.errors import CommError
 
@@ -44,15 +45,6 @@ PIECE_BYTES = 1 << 20
 # Up to this size every rank reduces the whole message itself from double-buffered
 # areas: one barrier per call instead of two, which is what latency is made of.
 SMALL_BYTES = 64 << 10
-ALIGN_BYTES = 64  # chunk boundaries on cache lines: no two ranks write one line
-
-
-def chunk_bounds(numel: int, itemsize: int, parts: int) -> list[int]:
-    """Where ``parts`` ranks split ``numel`` elements: rank i reduces [b[i], b[i+1]).
-    Boundaries fall on cache lines, so no two ranks write one line."""
-    align = max(1, ALIGN_BYTES // itemsize)
-    bounds = [min(numel, (numel * i // parts) // align * align) for i in range(parts)]
-    return bounds + [numel]
 
 
 class ShmCollectives:
@@ -217,7 +209,7 @@ class ShmCollectives:
             "broadcast", "-", tensor.dtype, src)[1]
         flat = self._flat(tensor)
         if self.nhosts > 1:
-            hierarchical.broadcast(self, flat, src, code)
+            hierarchical.broadcast_across(self, flat, src, code)
         else:
             root = self._local_of(src, "src")
             self._send_from(root, flat, flat.numel(), flat.dtype, code, self._into(flat))
@@ -257,7 +249,7 @@ class ShmCollectives:
             raise CommError(f"all_gather: output must hold {self.view.size} x {m} {dtype} "
                             f"elements, got {out.numel()} {out.dtype}")
         if self.nhosts > 1:
-            hierarchical.all_gather(self, out, src, code)
+            hierarchical.all_gather_across(self, out, src, code)
         else:
             self._gather_local(out, src, code)
         if out.data_ptr() != output.data_ptr():
@@ -375,7 +367,7 @@ class ShmCollectives:
             raise CommError(f"reduce_scatter: input must hold {n} x {m} {out.dtype} elements, "
                             f"got {src.numel()} {dtype}")
         if self.nhosts > 1:
-            hierarchical.reduce_scatter(self, out, src, name, code)
+            hierarchical.reduce_scatter_across(self, out, src, name, code)
         else:
             self._reduce_scatter_local(out, src, name, code)
         if out.data_ptr() != output.data_ptr():
@@ -423,7 +415,7 @@ class ShmCollectives:
         self.view.group_rank_of(dst, "dst")
         if self.nhosts > 1:
             flat = self._flat(tensor)
-            hierarchical.reduce(self, flat, dst, name, code)
+            hierarchical.reduce_across(self, flat, dst, name, code)
             if flat.data_ptr() != tensor.data_ptr() and self._is(dst):
                 tensor.copy_(flat.view_as(tensor))
             return tensor

@@ -44,7 +44,7 @@ class SparseReducer:
         self.params = list(params)
         self.names = list(names)
         self.group = group
-        self.dense = dense  # the dense Reducer (None when every parameter is sparse)
+        self.dense = dense  # the dense BucketReducer (None when every parameter is sparse)
         self.first_bucket_index = first_bucket_index
         self.comm_hook = None
         self.comm_state = None
@@ -129,8 +129,3 @@ class SparseReducer:
                 torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device), p.shape,
                 check_invariants=True)  # nothing to check in an empty tensor; says so
             self._reduce_one(i, empty)
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []

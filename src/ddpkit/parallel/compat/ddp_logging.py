@@ -96,6 +96,15 @@ class LoggingData:
         self.recorded = 0  # sampled iterations published
         self._times: dict[str, int] = {}
         self._sampling = False
+        self._reducer: Any = None  # the bucketed reducer whose events and layout it reports
+
+    def watch(self, reducer: Any) -> None:
+        """Report ``reducer``'s events (its ``on_event``) and, for sampled iterations,
+        its bucket layout (a bucketed reducer: ``buckets``, ``static_unused``, ``rebuilt``,
+        ``ready_order``). Exact mode's reducer is not watched: its logging data is the
+        construction data."""
+        self._reducer = reducer
+        reducer.on_event = self.on_event
 
     # -- what DataParallel and its reducer report ------------------------------------------
 
@@ -116,11 +125,11 @@ class LoggingData:
         return iteration > 0 and (iteration <= ALWAYS_SAMPLED
                                   or iteration % self.sample_rate == 0)
 
-    def forward_start(self, reducer: Any) -> None:
+    def forward_start(self) -> None:
         """A synchronized forward begins: publish the last sampled iteration, then
         decide whether this one is timed."""
-        if self._sampled(self.iterations):
-            self._publish(reducer)
+        if self._sampled(self.iterations) and self._reducer is not None:
+            self._publish(self._reducer)
         self.iterations += 1
         self._sampling = self._sampled(self.iterations)
         self._times = {"forward_start": time.time_ns()} if self._sampling else {}
@@ -130,7 +139,7 @@ class LoggingData:
             self._times["compute_start"] = time.time_ns()
 
     def on_event(self, name: str, detail: str) -> None:
-        """The reducer's events (see Reducer.on_event)."""
+        """The reducer's events (see BucketReducer.on_event)."""
         if name == "error":
             self.error(RuntimeError, detail)
         elif self._sampling and name not in self._times:

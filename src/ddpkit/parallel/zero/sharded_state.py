@@ -53,7 +53,7 @@ def split_state(optimizer: torch.optim.Optimizer, params, names: list[str]
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(what every rank shares, this rank's part) of ``optimizer``'s state.
 
-    ``params`` is the engine's :class:`~ddpkit.parallel.sharded_params.ShardedParameters`;
+    ``params`` is the engine's :class:`~ddpkit.parallel.zero.sharded_params.ShardedParameters`;
     ``names`` the reducer's parameter names."""
     which = _shard_index(optimizer, params.shards)
     saved = optimizer.state_dict()

@@ -2,7 +2,7 @@
 
 ``DataParallel(model, exact=True, slices=V)`` trains so that W ranks end with
 the parameters one process would, bit for bit, for every W dividing V. A step is V
-*slices* of the global batch (:mod:`ddpkit.parallel.exact_slices`); a
+*slices* of the global batch (:mod:`ddpkit.parallel.exact.slices`); a
 rank runs the V/W it owns one after another::
 
     for xs, ys in model.slices(x, y):          # x, y: this rank's local batch
@@ -16,9 +16,10 @@ bits on any rank. When the slice's backward ends, its gradients are kept for the
 (large ones as autograd left them, small ones copied together) and ``param.grad``
 goes back to None, so the next slice's backward starts clean.
 When the last local slice's backward ends, the kept gradients are summed with
-:class:`ddpkit.parallel.exact_sum.ExactMean` (an associative fixed-point sum, one MAX
-and one SUM all-reduce) and ``.grad`` holds the mean over the V slices: the sum does
-not depend on which rank held which slice, so neither do the bits.
+:class:`ddpkit.parallel.exact.exact_sum.ExactMean` (an associative fixed-point sum, one MAX
+and one SUM all-reduce, run by :mod:`ddpkit.parallel.exact.exact_transport`) and
+``.grad`` holds the mean over the V slices: the sum does not depend on which rank held
+which slice, so neither do the bits.
 
 What exact mode refuses (one line each): comm hooks, ``no_sync()`` (accumulation is
 more slices), ``ddpkit.join`` (slices are equal by construction), layers that update
@@ -37,25 +38,38 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddpkit.comm.collectives import all_reduce as comm_all_reduce
 from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.lifetime import no_python_tls
 from ddpkit.log import get_logger
-from ddpkit.parallel import transport
-from ddpkit.parallel.exact_slices import pin_numerics, slice_positions, slice_rng
-from ddpkit.parallel.exact_sum import PIECE_ELEMENTS, ExactMean
-from ddpkit.parallel.state_sync import broadcast_coalesced
+from ddpkit.parallel.engine.interfaces import CommHook
+from ddpkit.parallel.exact.exact_sum import PIECE_ELEMENTS, ExactMean
+from ddpkit.parallel.exact.exact_transport import ExactTransport
+from ddpkit.parallel.exact.slices import owned_slices, pin_numerics, slice_positions, slice_rng
 from ddpkit.slice_count import EXACT_THREADS, check_slices, saved_slice_count
 
 log = get_logger(__name__)
 
 EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NO_JOIN = ("exact mode does not join uneven inputs (ddpkit.join, torch's Join): every rank "
+           "runs the same slices, padded to equal size")
 _RUNNING_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
-def refuse_running_statistics(module: nn.Module) -> None:
-    """A layer that updates running statistics in every training forward would, per
-    slice, fold them in an order that depends on the layout: refused, naming it."""
+def check_module(module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]]) -> None:
+    """What exact mode refuses about a model, in one line each, before any communication:
+    parameters on several devices, dtypes its sum would round more than float
+    summation does, and layers that update running statistics in every forward (per
+    slice, they would fold them in an order that depends on the layout)."""
+    devices = sorted({str(p.device) for _, p in named_params})
+    if len(devices) > 1:
+        raise ConfigError(f"exact mode keeps one device's parameters; this model's are "
+                          f"on {', '.join(devices)}")
+    for n, p in named_params:
+        if p.dtype not in EXACT_DTYPES:
+            raise ConfigError(
+                f"exact mode sums float32, bfloat16 and float16 gradients; parameter "
+                f"{n!r} is {p.dtype} (its 53-bit fixed-point sum would round float64 "
+                "more than float64 summation does)")
     for name, m in module.named_modules():
         if isinstance(m, _RUNNING_STATS) and getattr(m, "track_running_stats", False):
             raise ConfigError(
@@ -64,67 +78,43 @@ def refuse_running_statistics(module: nn.Module) -> None:
                 "layout; use GroupNorm or LayerNorm, or track_running_stats=False")
 
 
-def _agreed_seed(group, device: torch.device) -> int:
+def _agreed_seed(transport: ExactTransport, world_size: int, device: torch.device) -> int:
     """Rank 0's ``torch.initial_seed()`` (the seed the program gave torch), on every rank."""
     seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64,
                         device=device)
-    if dist.get_world_size(group) > 1:
-        broadcast_coalesced([seed], 0, group)
+    if world_size > 1:
+        transport.broadcast([seed], 0)
     return int(seed.item())
 
 
 class ExactReducer:
-    """DataParallel's reducer in exact mode (see the module docstring).
+    """DataParallel's reducer in exact mode (see the module docstring); implements
+    :class:`ddpkit.parallel.engine.interfaces.Reducer` on an
+    :class:`~ddpkit.parallel.exact.exact_transport.ExactTransport`.
 
-    It stands in for the engine's reducer and transport: the engine's forward arms it
-    (:meth:`arm`), and :meth:`slices` is ``DataParallel.slices``. ``step`` counts the
-    reductions done (the slice streams' step); with ``slices`` and ``seed`` it
-    is the state a checkpoint keeps (:meth:`state_dict`).
+    The engine's forward arms it (:meth:`arm`), and :meth:`slices` is
+    ``DataParallel.slices``. ``step`` counts the reductions done (the slice streams'
+    step); with ``slice_count`` and ``seed`` it is the state a checkpoint keeps
+    (:meth:`state_dict`). The model was checked by :func:`check_module`.
     """
 
-    name = "exact"  # as the engine's transport
-    reduces_inline = True
-    comm_hook = None
-    buckets: list = []  # no gradient buckets: each local slice's gradients are kept
-
     def __init__(self, module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]],
-                 group, *, slices: int | None, comm: str,
+                 group, transport: ExactTransport, *, slices: int | None,
                  find_unused_parameters: bool, seed: int | None = None):
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
-        devices = sorted({str(p.device) for p in self.params})
-        if len(devices) > 1:
-            raise ConfigError(f"exact mode keeps one device's parameters; this model's are "
-                              f"on {', '.join(devices)}")
-        for n, p in named_params:
-            if p.dtype not in EXACT_DTYPES:
-                raise ConfigError(
-                    f"exact mode sums float32, bfloat16 and float16 gradients; parameter "
-                    f"{n!r} is {p.dtype} (its 53-bit fixed-point sum would round float64 "
-                    "more than float64 summation does)")
-        refuse_running_statistics(module)
         self.device = self.params[0].device
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        # Where the two all-reduces of a step run: the host's shared memory (with the
-        # reduced buffers allocated in it, so nothing is copied in or out) when the
-        # transport choice says so, else ddpkit.comm with that algorithm.
-        self.algo = transport.resolve(comm, [self.device.type], group)
-        # The default engine's shared-memory transport (its segment, its fallback to the
-        # backend with one warning where shared memory cannot be set up).
-        shm = (transport.build(comm, [self.device.type], group)
-               if self.algo == "shm" and self.world_size > 1 else None)
-        self._shm = shm if isinstance(shm, transport.ShmTransport) else None
-        if shm is not None and self._shm is None:
-            self.algo = shm.name
+        self.transport = transport
         self.find_unused = find_unused_parameters
         self.slice_count: int | None = None
         if slices is not None:
             self.set_slice_count(slices)
-        self.seed = _agreed_seed(group, self.device) if seed is None else int(seed)
+        self.seed = (_agreed_seed(transport, self.world_size, self.device) if seed is None
+                     else int(seed))
         self.step = 0
-        self.synced_iterations = 0
         self._buffers = list(module.named_buffers())
         self._offsets: list[int] = []
         total = 0
@@ -202,15 +192,15 @@ class ExactReducer:
             raise ConfigError(f"model.slices(...): the tensors hold {sorted(lengths)} samples; "
                               "give the same batch's tensors")
         parts = slice_positions(lengths.pop(), v, self.world_size)
+        owned = owned_slices(self.rank, self.world_size, v)
         self._begin_step(len(parts))
         finished = False
         try:
-            for m, part in enumerate(parts):
+            for m, (part, k) in enumerate(zip(parts, owned, strict=True)):
                 # Contiguous copies: a strided view's layout (its stride is V/W rows)
                 # could steer a kernel to another code path at another world size.
                 pieces = tuple(t[part].contiguous() for t in tensors)
-                with slice_rng(self.seed, self.step, self.rank + m * self.world_size,
-                               [self.device]):
+                with slice_rng(self.seed, self.step, k, [self.device]):
                     self._local = m
                     yield pieces[0] if len(pieces) == 1 else pieces
                     self._local = None
@@ -237,7 +227,7 @@ class ExactReducer:
         if self._mean is None or self._local_slices != local_slices:
             self._mean = ExactMean(local_slices, self.numel, self.slice_count,
                                    extra=len(self.params), device=self.device,
-                                   allocate=self._shm.allocate if self._shm else None,
+                                   allocate=self.transport.allocate,
                                    segments=[sum(self.params[i].numel() for i in run)
                                              for run in self._segments])
             self._packs = [self._pack(run, local_slices)
@@ -272,35 +262,29 @@ class ExactReducer:
         self.armed = False
 
     def maybe_rebuild(self, src: int) -> None:
-        """No buckets to re-assign."""
+        """Nothing to lay out again: the sum's segments follow the parameters."""
 
     def bucket_names(self) -> list[list[str]]:
+        """One reduction unit: every parameter, summed together after the last slice."""
         return [list(self.names)]
 
-    def use_single_initial_bucket(self) -> None:
+    def bucket_sizes(self) -> list[int]:
+        return [sum(p.numel() for p in self.params)]
+
+    def set_comm_hook(self, hook: CommHook, state: object) -> None:
         raise ConfigError("exact mode sums gradients itself; comm hooks do not apply")
 
+    def set_static_graph(self) -> None:
+        """Nothing to do: every slice's backward already checks which parameters got no
+        gradient, and there are no buckets to lay out again."""
+
     def shadow_backward(self, divisor: int) -> None:
-        raise ConfigError("exact mode does not join uneven inputs: its slices are equal")
+        raise ConfigError(NO_JOIN)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-    # the engine's transport interface (buffers, join): only the broadcast is meaningful
-
-    def broadcast(self, tensors: Sequence[torch.Tensor], src: int, *,
-                  every_step: bool = False) -> None:
-        broadcast_coalesced(tensors, src, self.group)
-
-    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
-        raise ConfigError("exact mode does not join uneven inputs (ddpkit.join, torch's "
-                          "Join): every rank runs the same slices, padded to equal size")
-
-    def close(self) -> None:
-        if self._shm is not None:
-            self._shm.close()
 
     # -- one slice's backward ------------------------------------------------------------
 
@@ -389,8 +373,8 @@ class ExactReducer:
         with no_python_tls():
             try:
                 self._mean.mean(self._kept, self._result,
-                                all_reduce_max=self._collective("max") if many else None,
-                                all_reduce_sum=self._collective("sum") if many else None,
+                                all_reduce_max=self.transport.max_ if many else None,
+                                all_reduce_sum=self.transport.sum_ if many else None,
                                 extra_max=used)
             finally:
                 # the kept gradients go back to the allocator
@@ -404,7 +388,6 @@ class ExactReducer:
                 view = self._result[start:start + p.numel()].view_as(p)
                 p.grad = view if p.dtype == view.dtype else view.to(p.dtype)
         self.step += 1
-        self.synced_iterations += 1
         changed = [name for (name, b), before in zip(self._buffers, self._versions)
                    if b._version != before]
         if changed:
@@ -412,15 +395,6 @@ class ExactReducer:
                 f"exact mode: buffer {changed[0]!r} changed during the step; per slice its "
                 "value would depend on the process layout (a layer that updates state in "
                 "forward: make it stateless, or update it outside the slice loop)")
-
-    def _collective(self, op: str):
-        def run(tensor: torch.Tensor) -> None:
-            if self._shm is not None:
-                self._shm.comm.all_reduce(tensor, op)
-            else:
-                comm_all_reduce(tensor, op=op, algo=self.algo, group=self.group)
-
-        return run
 
 
 # A gradient at least this long is summed where autograd left it; shorter ones are
@@ -451,18 +425,4 @@ def _flat_float32(grad: torch.Tensor) -> torch.Tensor:
     return grad.reshape(-1)
 
 
-def attach(model: Any, module: nn.Module, trainable: Sequence[tuple[str, nn.Parameter]],
-           group, *, slices: int | None, comm: str, comm_hook: Any,
-           find_unused_parameters: bool) -> None:
-    """Make ``model`` (a DataParallel being built) exact: its reducer and transport are
-    one :class:`ExactReducer`, and buffers are not re-broadcast before each forward
-    (they cannot change during training in exact mode)."""
-    if comm_hook is not None or callable(comm):
-        raise ConfigError("exact mode sums gradients itself; pass no comm hook")
-    reducer = ExactReducer(module, trainable, group, slices=slices,
-                           comm=comm, find_unused_parameters=find_unused_parameters)
-    model.exact = model.reducer = model.transport = reducer  # model.comm reads its name
-    model.forward_sync_buffers = False
-
-
-__all__ = ["EXACT_DTYPES", "ExactReducer", "attach", "refuse_running_statistics"]
+__all__ = ["EXACT_DTYPES", "NO_JOIN", "ExactReducer", "check_module"]

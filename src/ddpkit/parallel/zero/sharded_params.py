@@ -2,7 +2,7 @@
 
 The wrapped module's parameters are moved into one flat tensor per gradient bucket,
 laid out exactly as the bucket (each parameter becomes a view of its slot). This rank
-owns one chunk of each flat tensor (:mod:`ddpkit.parallel.shard_layout`); under
+owns one chunk of each flat tensor (:mod:`ddpkit.parallel.zero.shard_layout`); under
 ``"optimizer"`` and ``"gradients"`` the chunk is a view of the flat tensor. The
 optimizer gets one ``nn.Parameter`` per *piece*: the part of one module parameter that
 falls in this rank's chunk, a view of the chunk, named after that parameter. So the
@@ -22,7 +22,7 @@ Under ``"parameters"`` (ZeRO-3, ``own_shards``) a chunk is its own tensor and th
 tensors are only *resident* while something needs them: :meth:`release` frees a flat
 tensor's memory (its storage is resized to nothing, so the module's parameters and any
 view autograd saved of them stay the same tensors) and :meth:`gather_bucket` gives it
-memory again, filled from every rank's shard. :mod:`ddpkit.parallel.layer_gathering`
+memory again, filled from every rank's shard. :mod:`ddpkit.parallel.zero.layer_gathering`
 decides when.
 """
 
@@ -33,8 +33,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ddpkit.parallel.buckets import Bucket
-from ddpkit.parallel.shard_layout import BucketShard, Piece, bucket_shards
+from ddpkit.parallel.engine.buckets import Bucket
+from ddpkit.parallel.zero.shard_layout import BucketShard, Piece
 
 
 class ShardedParameters:
@@ -42,11 +42,11 @@ class ShardedParameters:
     their gathering."""
 
     def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str],
-                 buckets: Sequence[Bucket], rank: int, world_size: int, transport, *,
+                 buckets: Sequence[Bucket], layout: Sequence[BucketShard], transport, *,
                  own_shards: bool = False):
         self.transport = transport
         self.names = list(names)
-        self.layout: list[BucketShard] = bucket_shards(buckets, params, rank, world_size)
+        self.layout = list(layout)  # this rank's chunk of every bucket
         self.flats: list[torch.Tensor] = []
         with torch.no_grad():
             for bucket in buckets:

@@ -36,59 +36,32 @@ match. With a comm hook the engine does not scale: the hook averages (it gets
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ddpkit.errors import DdpkitError, UsageError
 from ddpkit.lifetime import no_python_tls
-from ddpkit.parallel.buckets import (
+from ddpkit.parallel.engine.buckets import (
     Allocator,
     Bucket,
     assign_buckets,
     build_buckets,
     default_allocator,
+    initial_assignment,
 )
+from ddpkit.parallel.engine.interfaces import CommHook, Transport
 from ddpkit.parallel.grad_bucket import GradBucket
-
-CommHook = Callable[[object, GradBucket], torch.futures.Future]
-
-
-class Transport(Protocol):
-    """The default path's all-reduce of one scaled bucket, and the reducer's small
-    collectives (ddpkit.parallel.transport)."""
-
-    def all_reduce(self, buffer: torch.Tensor) -> Any: ...
-
-    def broadcast(self, tensors: Sequence[torch.Tensor], src: int) -> None: ...
-
-    def sum_(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype)
 
 
-def initial_assignment(params: Sequence[torch.Tensor], limits: Sequence[int],
-                       initial_bucketing: str, *, relaid: bool = True) -> list[list[int]]:
-    """Buckets before the first backward has shown the real gradient order (``relaid``:
-    whether they will be laid out again by that order)."""
-    if initial_bucketing == "reverse":
-        return assign_buckets(params, list(reversed(range(len(params)))), limits)
-    if initial_bucketing == "single" and not relaid:
-        # torch's layout for good (find_unused_parameters without a static graph): buckets
-        # filled in registration order under the size limits, launched last one first.
-        filled = assign_buckets(params, list(range(len(params))), limits)
-        return sorted(filled, key=min, reverse=True)
-    if initial_bucketing == "single":
-        # torch >= 2.x's choice: until the real order is known, one bucket per
-        # (device, dtype) in registration order, reduced after the whole backward.
-        return assign_buckets(params, list(range(len(params))), [2**62])
-    raise ValueError(f"initial_bucketing must be 'reverse' or 'single', got {initial_bucketing!r}")
+class BucketReducer:
+    """The default engine's reducer (the module docstring); implements
+    :class:`ddpkit.parallel.engine.interfaces.Reducer`."""
 
-
-class Reducer:
     def __init__(
         self,
         params: Sequence[torch.nn.Parameter],
@@ -129,7 +102,7 @@ class Reducer:
         self.comm_hook = comm_hook
         self.comm_state = comm_state
         self.allocate = allocate
-        # how the default path sums a bucket (ddpkit.parallel.transport)
+        # how the default path sums a bucket (ddpkit.parallel.engine.transport)
         self.transport = transport
 
         initial = initial_assignment(self.params, self.limits, initial_bucketing,
@@ -152,8 +125,7 @@ class Reducer:
         # and its memory passes evict what autograd is working on. Such buckets are all
         # launched from the end-of-backward callback instead, in the same order.
         self._defer_launches = (
-            comm_hook is None and transport is not None
-            and getattr(transport, "reduces_inline", False)
+            comm_hook is None and transport.reduces_inline
             and all(p.device.type == "cpu" for p in self.params)
         )
         self._handles = [
@@ -190,6 +162,25 @@ class Reducer:
         """Parameter names per bucket, in launch order (for logs and tests)."""
         return [[self.names[i] for i in b.param_indices] for b in self.buckets]
 
+    def bucket_sizes(self) -> list[int]:
+        return [b.numel for b in self.buckets]
+
+    def set_comm_hook(self, hook: CommHook, state: object) -> None:
+        if self.comm_hook is not None:
+            raise UsageError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once; "
+                "a comm hook is already registered on this DataParallel")
+        if not self.synced_iterations:
+            # Hooks such as PowerSGD keep per-bucket state keyed by bucket index, so the
+            # same buckets as torch DDP's give the same numbers: its layout until the
+            # first rebuild. (Registered later, the hook gets the buckets as they are.)
+            self.use_single_initial_bucket()
+        self.comm_hook = hook
+        self.comm_state = state
+
+    def set_static_graph(self) -> None:
+        self.static_graph = True
+
     def maybe_rebuild(self, src: int) -> None:
         """Once, after the first synchronized backward (the second under a static graph):
         re-bucket by the observed order.
@@ -206,10 +197,8 @@ class Reducer:
         order = torch.zeros(len(self.params), dtype=torch.int64, device=self._comm_device())
         if len(self.ready_order) == len(self.params):
             order.copy_(torch.tensor(self.ready_order, dtype=torch.int64))
-        if self.world_size > 1 and self.transport is not None:
+        if self.world_size > 1:
             self.transport.broadcast([order], src)
-        elif self.world_size > 1:
-            dist.broadcast(order, group=self.group, group_src=src)
         order_list = order.tolist()
         if sorted(order_list) != list(range(len(self.params))):
             raise DdpkitError(f"rank {src} sent an invalid gradient order while re-bucketing")
@@ -416,10 +405,8 @@ class Reducer:
     def _reduce_used_flags(self) -> list[bool]:
         flags = torch.tensor(self.used, dtype=torch.int32, device=self._comm_device())
         with no_python_tls():  # see _launch
-            if self.world_size > 1 and self.transport is not None:
+            if self.world_size > 1:
                 self.transport.sum_(flags)
-            elif self.world_size > 1:
-                dist.all_reduce(flags, group=self.group)
         return [bool(v) for v in flags.tolist()]
 
     def _wait(self, bucket: Bucket, buffer: torch.Tensor) -> None:
@@ -451,9 +438,3 @@ class Reducer:
             self.used = [False] * len(self.params)
             self._reduce_used_flags()
         self.synced_iterations += 1
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-

@@ -23,6 +23,7 @@ optimizer reads the reduced values with no copy back.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -88,6 +89,31 @@ def default_allocator(numel: int, dtype: torch.dtype, device: torch.device) -> t
     return torch.zeros(numel, dtype=dtype, device=device)
 
 
+def allocator_from(comm_state: object, default: Allocator) -> Allocator:
+    """Use ``comm_state.allocate`` for bucket storage when the state offers it, else
+    ``default`` (the transport's).
+
+    This is how a shared-memory communicator gets gradients written straight into its
+    segment by backward: the bucket buffers *are* its memory.
+    """
+    allocate = getattr(comm_state, "allocate", None)
+    if allocate is None or not callable(allocate):
+        return default
+    try:
+        takes_device = len(inspect.signature(allocate).parameters) >= 3
+    except (TypeError, ValueError):
+        takes_device = True
+    if takes_device:
+        return lambda numel, dtype, device: allocate(numel, dtype, device)
+
+    def without_device(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return default(numel, dtype, device)
+        return allocate(numel, dtype)
+
+    return without_device
+
+
 @dataclass
 class Bucket:
     """One flat gradient buffer and the parameters whose gradients are views into it."""
@@ -131,3 +157,21 @@ def build_buckets(
             offset += p.numel()
         buckets.append(Bucket(b, list(indices), buffer, views, offsets=offsets))
     return buckets
+
+
+def initial_assignment(params: Sequence[torch.Tensor], limits: Sequence[int],
+                       initial_bucketing: str, *, relaid: bool = True) -> list[list[int]]:
+    """Buckets before the first backward has shown the real gradient order (``relaid``:
+    whether they will be laid out again by that order)."""
+    if initial_bucketing == "reverse":
+        return assign_buckets(params, list(reversed(range(len(params)))), limits)
+    if initial_bucketing == "single" and not relaid:
+        # torch's layout for good (find_unused_parameters without a static graph): buckets
+        # filled in registration order under the size limits, launched last one first.
+        filled = assign_buckets(params, list(range(len(params))), limits)
+        return sorted(filled, key=min, reverse=True)
+    if initial_bucketing == "single":
+        # torch >= 2.x's choice: until the real order is known, one bucket per
+        # (device, dtype) in registration order, reduced after the whole backward.
+        return assign_buckets(params, list(range(len(params))), [2**62])
+    raise ValueError(f"initial_bucketing must be 'reverse' or 'single', got {initial_bucketing!r}")

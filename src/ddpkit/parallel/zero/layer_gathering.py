@@ -1,7 +1,7 @@
 """ZeRO-3 (``DataParallel(model, shard="parameters")``): a bucket's full parameters are in
 memory only while a module that holds them runs.
 
-Every rank keeps its shard of each bucket's parameters (:mod:`ddpkit.parallel.sharded_params`).
+Every rank keeps its shard of each bucket's parameters (:mod:`ddpkit.parallel.zero.sharded_params`).
 A module with parameters of its own gets two hooks:
 
 * before its forward, the buckets its parameters are in are gathered (a collective every
@@ -13,7 +13,7 @@ A module with parameters of its own gets two hooks:
   the input's gradient.
 
 The gradients of a bucket are reduce-scattered as soon as its last one arrives
-(:mod:`ddpkit.parallel.scatter_reducer`), and then no backward step needs its values any
+(:mod:`ddpkit.parallel.zero.scatter_reducer`), and then no backward step needs its values any
 more: it is released there. A synchronized backward therefore ends with nothing
 resident, and the next forward gathers the values the optimizer just stepped.
 
@@ -46,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from ddpkit.errors import UsageError
-from ddpkit.parallel.sharded_params import ShardedParameters
+from ddpkit.parallel.zero.sharded_params import ShardedParameters
 
 
 class LayerGathering:

@@ -85,8 +85,9 @@ def slice_rng(seed: int, step: int, slice: int,
     """Inside: torch's CPU generator (and those of ``devices``' CUDA devices) seeded
     for this slice; afterwards they are back where they were. Yields the seed.
 
-    (The generators are seeded directly: ``torch.manual_seed`` queues a seed for every
-    accelerator type with a stack trace each, ~0.3 ms a call here.)
+    (The generators are seeded directly: ``torch.manual_seed`` also queues a seed for
+    every accelerator type, with a stack trace each, which costs far more than seeding
+    a generator, once per slice.)
     """
     value = slice_seed(seed, step, slice)
     generators = _generators(devices)

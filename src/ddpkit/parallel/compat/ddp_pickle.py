@@ -25,8 +25,11 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.errors import UsageError
-from ddpkit.parallel.buckets import default_allocator
+from ddpkit.parallel.engine.buckets import default_allocator
+from ddpkit.parallel.engine_options import EngineOptions
 
+# Where the pickled state keeps the engine's options.
+PICKLED_OPTIONS = "_engine_options"
 # Live objects that are rebuilt on load rather than pickled.
 TRANSIENT = ("reducer", "sparse", "transport", "process_group", "group", "_logging",
              "_join_state", "_torch_join_state", "_buffers_to_sync", "_sharding")
@@ -54,7 +57,24 @@ def pickled_state(model: Any) -> dict:
     state = dict(model.__dict__)
     for key in TRANSIENT:
         state.pop(key, None)
+    # The engine's options travel as a plain dict (the fields a copy needs: it is never
+    # sharded nor exact), so that a pickle names no ddpkit class but DataParallel, whose
+    # path (ddpkit.parallel.ddp) is what torch.load looks up.
+    options = state.pop("_options")
+    state[PICKLED_OPTIONS] = {
+        "comm": options.comm, "comm_hook": options.comm_hook, "comm_state": options.comm_state,
+        "limits": list(options.limits), "initial_bucketing": options.initial_bucketing}
     return state
+
+
+def loaded_options(state: dict) -> EngineOptions:
+    """``__setstate__``: the engine's options back from what :func:`pickled_state` left."""
+    saved = state.pop(PICKLED_OPTIONS)
+    hook = saved["comm_hook"]
+    return EngineOptions(comm="backend" if hook is not None else saved["comm"], comm_hook=hook,
+                         comm_state=saved["comm_state"], limits=tuple(saved["limits"]),
+                         initial_bucketing=saved["initial_bucketing"], shard="none",
+                         exact=False, slices=None)
 
 
 class LazyTransport:

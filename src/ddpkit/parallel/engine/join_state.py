@@ -1,8 +1,11 @@
-"""The state a join keeps per model, shared by ddpkit.join and torch's Join.
+"""Uneven inputs, the model's side: shared by ddpkit.join and torch's Join.
 
-Kept apart from :mod:`ddpkit.parallel.join` so that DataParallel (which hands torch's
-``Join`` a :class:`TorchJoinHook`) and the join context (which needs DataParallel) do
-not import each other. ``model`` below is always a :class:`ddpkit.DataParallel`.
+The state a join keeps per model (:class:`JoinState`), what torch's ``Join`` calls on a
+model (:class:`TorchJoinHook`, :class:`ModelJoin`) and DataParallel's own part of it
+(:class:`JoinMethods`, a mixin: the shadow iteration, the final state, torch's
+``Joinable`` interface). Kept apart from :mod:`ddpkit.parallel.join` so that
+DataParallel and the join context (which needs DataParallel) do not import each other.
+``model`` below is always a :class:`ddpkit.DataParallel`.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.algorithms.join import Join
+from torch.distributed.algorithms.join import Join, JoinHook
 
 from ddpkit.errors import ConfigError
 
@@ -19,6 +22,7 @@ class JoinState:
     """Per-model bookkeeping while a join context is open."""
 
     def __init__(self, model: Any, divide_by_initial_world_size: bool):
+        model._check_joinable()
         self.world_size = model.world_size
         self.rank = model.rank
         self.divide_by_initial_world_size = divide_by_initial_world_size
@@ -84,3 +88,47 @@ class ModelJoin(Join):
             for joinable in self._joinables:
                 joinable._join_state = None
                 joinable._torch_join_state = None
+
+
+class JoinMethods:
+    """DataParallel's part of a join (a mixin: reads its ``reducer``, ``sparse``,
+    ``transport``, ``module``, ``_logging`` and its buffers; its ``_check_joinable``
+    refuses a mode that cannot join)."""
+
+    def _shadow_iteration(self, active: list[int], sync: bool, divisor: int) -> None:
+        """Issue the collectives one forward+backward on the active ranks will issue."""
+        src = max(active)
+        if sync:
+            self.reducer.maybe_rebuild(src)
+        self._forward_buffers(src, sync)
+        if sync:
+            self.reducer.shadow_backward(divisor)
+            if self.sparse is not None:
+                self.sparse.shadow_backward(divisor)
+
+    def _sync_final_state(self, src: int) -> None:
+        """After join: ranks that stopped early take the last trainer's parameters."""
+        tensors = [p.detach() for p in self.module.parameters()] + self._buffers_to_sync
+        self.transport.broadcast(tensors, src)
+
+    # torch's Joinable interface: torch.distributed.algorithms.Join([model, ...]) drives the
+    # same shadowing as ddpkit.join (see TorchJoinHook).
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        self._logging.set("join_uneven_inputs", 1)
+        return TorchJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """torch DDP's method: ``with model.join(): ...`` lets ranks with fewer batches
+        leave their loop early (torch's ``Join`` over this model; see ddpkit.join)."""
+        return ModelJoin([self], enable, throw_on_early_termination,
+                         divide_by_initial_world_size=divide_by_initial_world_size)
+
+    @property
+    def join_device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group

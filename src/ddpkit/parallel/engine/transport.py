@@ -13,7 +13,10 @@ the backend avoids it for the whole step: ``broadcast(tensors, src)`` (the buffe
 before each forward, the bucket order at the rebuild, the final state after a join) and
 ``sum_(tensor)`` (small integer vectors, blocking: the ``find_unused_parameters`` flags
 and join's per-forward "who still trains"). The backend transports make exactly the
-torch.distributed calls the engine always made; ``"shm"`` makes none on one host.
+torch.distributed calls the engine always made; ``"shm"`` makes none on one host. Each
+transport here implements :class:`ddpkit.parallel.engine.interfaces.Transport`, and
+:class:`~ddpkit.parallel.engine.interfaces.ShardingTransport` for ZeRO-2 and 3
+(``reduce_own_chunk``, ``all_gather_chunks``).
 
 ``"auto"`` (the default) is decided once per engine, from the devices of the module's
 parameters and the group's layout (:func:`ddpkit.comm.auto.algo_for`): CPU ranks that
@@ -38,13 +41,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ddpkit.comm import all_reduce as comm_all_reduce
 from ddpkit.comm import auto
-from ddpkit.comm.collectives import all_reduce as comm_all_reduce
-from ddpkit.comm.shm.communicator import ShmCommunicator
+from ddpkit.comm.shm import ShmCommunicator
 from ddpkit.errors import CommError, ConfigError
 from ddpkit.log import get_logger
-from ddpkit.parallel.buckets import default_allocator
-from ddpkit.parallel.state_sync import BytePacker, broadcast_coalesced, broadcast_packed
+from ddpkit.parallel.engine.buckets import default_allocator
+from ddpkit.parallel.engine.state_sync import BytePacker, broadcast_coalesced, broadcast_packed
 
 log = get_logger(__name__)
 
@@ -75,7 +78,7 @@ def choose(comm: str, device_types: Sequence[str], world_size: int, *,
     return "shm" if algo in ("shm", "hierarchical") else "backend"
 
 
-def resolve(comm: str, device_types: Sequence[str], group) -> str:
+def resolve_comm(comm: str, device_types: Sequence[str], group) -> str:
     """:func:`choose` for a live group. Only a CPU module's ``"auto"`` exchanges anything
     (the group's host layout, once per group: every rank calls this in the constructor);
     explicit choices and accelerator modules decide without communication."""
@@ -133,10 +136,13 @@ class BackendTransport:
     def all_reduce(self, buffer: torch.Tensor):
         return dist.all_reduce(buffer, group=self.group, async_op=True)
 
-    def reduce_scatter(self, buffer: torch.Tensor):
-        """A sharded engine's bucket collective: this rank's chunk of ``buffer``
-        (:func:`ddpkit.parallel.shard_layout.bucket_shards`) summed; here the whole
-        bucket, by the same all-reduce, so the bits are the unsharded engine's."""
+    def reduce_own_chunk(self, buffer: torch.Tensor):
+        """ZeRO-2 and 3's bucket collective: leave at least this rank's chunk of
+        ``buffer`` (:func:`ddpkit.comm.chunk_bounds`) summed across the group, with the
+        bits the unsharded engine's all-reduce gives it; the rest of ``buffer`` is not
+        to be read. Here that is the same all-reduce of the whole bucket, not torch's
+        reduce-scatter: that one takes equal blocks (the chunks are cut on cache lines),
+        and nothing promises it adds in the order its all-reduce does."""
         return self.all_reduce(buffer)
 
     def all_gather_chunks(self, flat: torch.Tensor, bounds: Sequence[int]) -> None:
@@ -175,7 +181,7 @@ class ShmTransport:
 
     name = "shm"
     # all_reduce of a CPU bucket runs on the calling thread and is complete on return
-    # (the reducer then launches every bucket at the end of backward, see Reducer).
+    # (the reducer then launches every bucket at the end of backward, see BucketReducer).
     reduces_inline = True
 
     def __init__(self, group, *, slot_mb: float = SHM_SLOT_MB):
@@ -222,9 +228,10 @@ class ShmTransport:
         self.comm.all_reduce(buffer, "sum")
         return None
 
-    def reduce_scatter(self, buffer: torch.Tensor):
-        """Sum only this rank's chunk of a private bucket (the chunk the in-place
-        all-reduce sums, added in the same order); across hosts the whole bucket."""
+    def reduce_own_chunk(self, buffer: torch.Tensor):
+        """On one host a real reduce-scatter: only this rank's chunk of a private
+        bucket is summed (the chunk the in-place all-reduce sums, added in the same
+        order); across hosts, and off the CPU, the whole bucket's all-reduce."""
         if buffer.device.type != "cpu":
             return dist.all_reduce(buffer, group=self.group, async_op=True)
         if self.comm.nhosts > 1:
@@ -272,10 +279,15 @@ class ShmTransport:
                          lambda flat, _: self.comm.broadcast(flat, root))
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.reduce_(tensor, "sum")
+
+    def reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Reduce ``tensor`` across the group with ``op`` ("sum", "max", ...), in place,
+        complete on return: through the segment for a CPU tensor, else the backend."""
         if tensor.device.type != "cpu":
-            dist.all_reduce(tensor, group=self.group)
+            dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=self.group)
             return tensor
-        return self.comm.all_reduce(tensor, "sum")
+        return self.comm.all_reduce(tensor, op)
 
     def close(self) -> None:
         self.comm.close()
@@ -298,7 +310,7 @@ def build(comm: str, device_types: Sequence[str], group):
     (with one warning) where the shared segment cannot be set up; every rank learns that
     at the same collective, so all fall back together. An explicit ``"shm"`` that cannot
     work is a one-line error on every rank."""
-    choice = resolve(comm, device_types, group)
+    choice = resolve_comm(comm, device_types, group)
     if choice == "shm" and comm == "shm":
         lay = auto.layout(group)
         if not lay.shm_ok:

@@ -1,0 +1,80 @@
+"""Exact mode's transport: where a step's two all-reduces run.
+
+Exact mode sums a step's gradients with :class:`~ddpkit.parallel.exact.exact_sum.ExactMean`:
+one MAX all-reduce of float32 maxima, then one SUM all-reduce of float64 fixed-point
+integers. Both are exact and order-free, so any algorithm gives the same bits; ``comm=``
+only chooses where they run, as it does for the default engine (``model.comm`` says
+which):
+
+* ``"shm"`` (what ``"auto"`` means for CPU ranks that share a host): the default
+  engine's shared-memory transport, with the two reduced buffers allocated in its
+  segment so nothing is copied in or out; where the segment cannot be set up, ``"auto"``
+  falls back to the backend on every rank with one warning, as the default engine does;
+* ``"backend"``, ``"ring"``: :func:`ddpkit.comm.all_reduce` with that algorithm.
+
+Everything else the engine sends (the seed agreed at construction, and what any
+:class:`~ddpkit.parallel.engine.interfaces.Transport` carries) goes the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ddpkit.comm import all_reduce as comm_all_reduce
+from ddpkit.parallel.engine import transport
+from ddpkit.parallel.engine.state_sync import broadcast_coalesced
+
+
+class ExactTransport:
+    """Implements :class:`ddpkit.parallel.engine.interfaces.Transport` for exact mode,
+    plus :meth:`max_`. Every call is blocking (the sum runs after the last slice's
+    backward, not overlapped with it). Created collectively, with the engine."""
+
+    reduces_inline = True
+
+    def __init__(self, comm: str, device: torch.device, group):
+        self.group = group
+        self.name = transport.resolve_comm(comm, [device.type], group)
+        self._shm: transport.ShmTransport | None = None
+        if self.name == "shm" and dist.get_world_size(group) > 1:
+            built = transport.build(comm, [device.type], group)
+            if isinstance(built, transport.ShmTransport):
+                self._shm = built
+            else:  # shared memory could not be set up: the backend, on every rank
+                self.name = built.name
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self._shm is not None:
+            return self._shm.allocate(numel, dtype, device)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def all_reduce(self, buffer: torch.Tensor) -> None:
+        self.sum_(buffer)
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._reduce(tensor, "sum")
+
+    def max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum across the group, in place, complete on return."""
+        return self._reduce(tensor, "max")
+
+    def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        if self._shm is not None:
+            self._shm.reduce_(tensor, op)
+        else:
+            comm_all_reduce(tensor, op=op, algo=self.name, group=self.group)
+        return tensor
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], src: int, *,
+                  every_step: bool = False) -> None:
+        if self._shm is not None:
+            self._shm.broadcast(tensors, src, every_step=every_step)
+        else:
+            broadcast_coalesced(tensors, src, self.group)
+
+    def close(self) -> None:
+        if self._shm is not None:
+            self._shm.close()
