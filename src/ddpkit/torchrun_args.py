@@ -61,7 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
         "per GPU (2 on CPU), output prefixed per rank (--tee 3), a free rendezvous port, "
         "c10d when only --rdzv-endpoint is given. See docs/multinode.md.")
     parser.error = _one_line_error  # argparse's usage block + exit 2 would bypass the CLI
+    add_engine_option(parser)
     return parser
+
+
+def add_engine_option(parser: argparse.ArgumentParser) -> None:
+    """ddpkit's one option of its own: what torch's DistributedDataParallel and CPU
+    collectives are in the workers (DDPKIT_ENGINE, which sets its default)."""
+    from ddpkit.engine_hook import ENGINES, engine_from_env
+
+    parser.add_argument(
+        "--engine", choices=ENGINES, default=engine_from_env() or "ddpkit",
+        help="ddpkit: in every worker torch's DistributedDataParallel is ddpkit's engine (for "
+             "CPU modules) and torch.distributed's CPU collectives are ddpkit's; torch: "
+             "torch's own (default: $DDPKIT_ENGINE, else ddpkit; docs/frameworks.md)")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
