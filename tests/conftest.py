@@ -76,6 +76,7 @@ LAYERS = {
     "test_zero3.py": MULTIPROCESS,
     "test_torch_ddp_suite.py": MULTIPROCESS,
     "test_torch_collective_suite.py": MULTIPROCESS,
+    "test_torch_swap.py": MULTIPROCESS,
     "test_comm_bench.py": E2E,
     "test_host_malloc.py": E2E,
     "test_ddp_examples.py": E2E,
@@ -96,6 +97,7 @@ LAYERS = {
     "test_train_example.py": E2E,
     "test_train_fault.py": E2E,
     "test_train_shard.py": E2E,
+    "test_frameworks.py": E2E,
 }
 # file -> test functions (every parametrization) or single parametrizations ("name[id]").
 # Four ranks on two cores: every test on the 4-rank pool is slow, and so is starting it.

@@ -61,6 +61,11 @@ def counts() -> dict[str, int]:
     return dict(_counts)
 
 
+def original(name: str) -> Callable:
+    """torch's own function behind ``name`` (routed or not)."""
+    return _originals.get(name) or getattr(distributed_c10d, name)
+
+
 def route() -> None:
     """Put the dispatchers behind torch's names (once; idempotent)."""
     if routed():
