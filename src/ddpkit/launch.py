@@ -408,7 +408,7 @@ def choose_network(args, multi_node: bool) -> None:
 
 # Messages of ranks that died only because a peer went away first.
 _PEER_GONE = ("Connection closed by peer", "Connection reset", "Broken pipe", "DistBackendError",
-              "DistNetworkError")
+              "DistNetworkError", "exited during a shared-memory collective")
 
 
 # What torch's ProcessFailure holds as the message when the rank wrote no error file.

@@ -122,6 +122,19 @@ def report_uncaught(exc: BaseException) -> None:
     exc = exc.with_traceback(tb)
     sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
     sys.excepthook(type(exc), exc, tb)
+    record_for_the_agent(exc)
+
+
+def record_for_the_agent(exc: BaseException) -> None:
+    """What torchrun's ``@record`` does, for every program: the exception goes to the
+    rank's error file, so the launcher's summary can tell a rank that raised from the
+    peers that then lost it ("Connection closed by peer"), although torchrun's clock ties
+    them to the second."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(exc)
 
 
 def _is_runner_frame(frame) -> bool:
