@@ -77,12 +77,15 @@ def main() -> None:
         small = {who: statistics.median(r["all_reduce_1k_s"] for r in runs[prog, who])
                  for who in LAUNCHERS}
         routed = runs[prog, "ddpkit"][0]["routed"]
+        gather = {who: statistics.median(r["all_gather_1_s"] for r in runs[prog, who])
+                  for who in LAUNCHERS} if "all_gather_1_s" in runs[prog, "torch"][0] else {}
         rows.append({"program": prog, "step_ms": {w: step[w] * 1e3 for w in step},
                      "step_ratio": step["ddpkit"] / step["torch"],
                      "all_reduce_1k_us": {w: small[w] * 1e6 for w in small},
                      "all_reduce_speedup": small["torch"] / small["ddpkit"],
                      "steps_per_launch": len(runs[prog, "ddpkit"][0]["step_s"]) + 1,
-                     "routed_calls_rank0": routed})
+                     "routed_calls_rank0": routed,
+                     "all_gather_1_us": {w: gather[w] * 1e6 for w in gather}})
     print(f"W=2, CPU, {args.repeats} launches per program and launcher, taking turns; "
           f"{time.time() - started:.0f} s")
     print("| program | step, torch DDP (ms) | step, ddpkit (ms) | ddpkit / torch | "
@@ -93,6 +96,11 @@ def main() -> None:
               f"{row['step_ms']['ddpkit']:.2f} | {row['step_ratio']:.2f}x | "
               f"{row['all_reduce_1k_us']['torch']:.0f} | "
               f"{row['all_reduce_1k_us']['ddpkit']:.1f} | {row['all_reduce_speedup']:.0f}x |")
+    for row in rows:
+        if row["all_gather_1_us"]:
+            print(f"{row['program']}: torch.distributed.all_gather of one int64 (gloo under "
+                  f"both): {row['all_gather_1_us']['torch']:.0f} us under torchrun, "
+                  f"{row['all_gather_1_us']['ddpkit']:.0f} us under ddpkit launch")
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "benchmarks", "results", "frameworks.json"), "w") as fh:
         json.dump({"repeats": args.repeats, "rows": rows}, fh, indent=1)

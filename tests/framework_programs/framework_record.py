@@ -29,13 +29,25 @@ def routed_counts() -> dict:
 
 def small_all_reduce_s(calls: int) -> float | None:
     """Median seconds of ``torch.distributed.all_reduce`` on 256 float32 (1 KiB)."""
+    tensor = torch.ones(256)
+    return _median_s(calls, lambda: dist.all_reduce(tensor))
+
+
+def one_number_all_gather_s(calls: int) -> float | None:
+    """Median seconds of ``torch.distributed.all_gather`` of one int64 per rank (what the
+    Trainer does with the batch's token count every step; left to torch's gloo)."""
+    mine = torch.ones(1, dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    return _median_s(calls, lambda: dist.all_gather(out, mine))
+
+
+def _median_s(calls: int, fn) -> float | None:
     if calls <= 0:
         return None
-    tensor = torch.ones(256)
     times = []
     for i in range(calls + 20):
         start = time.perf_counter()
-        dist.all_reduce(tensor)
+        fn()
         if i >= 20:  # the first calls set up buffers
             times.append(time.perf_counter() - start)
     return statistics.median(times)

@@ -82,7 +82,8 @@ def main() -> None:
         is model, "train_loss": result.training_loss,
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
         "step_s": clock.clock.times,
-        "all_reduce_1k_s": framework_record.small_all_reduce_s(args.all_reduce_calls)})
+        "all_reduce_1k_s": framework_record.small_all_reduce_s(args.all_reduce_calls),
+        "all_gather_1_s": framework_record.one_number_all_gather_s(args.all_reduce_calls)})
 
 
 if __name__ == "__main__":
