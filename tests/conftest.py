@@ -215,7 +215,19 @@ SLOW = {
     "test_torch_ddp_suite.py": {"test_torch_ddp_test_passes_with_ddpkit",
                                 "test_census_every_cpu_ddp_test_of_torch_is_in_the_suite"},
     "test_torch_collective_suite.py": {"test_torch_collective_test_passes_with_ddpkit_comm",
-                                       "test_census_every_cpu_collective_test_is_in_the_suite"},
+                                       "test_census_every_cpu_collective_test_is_in_the_suite",
+                                       "test_torch_collective_test_passes_with_torchs_names_"
+                                       "routed_to_ddpkit"},
+    "test_torch_swap.py": {"test_torch_names_give_ddpkit_engine_that_is_also_torchs_class"},
+    # every test here starts interpreters that import torch (and most, a framework)
+    "test_frameworks.py": {
+        "test_accelerate_script_trains_as_under_torch_ddp",
+        "test_transformers_trainer_trains_as_under_torch_ddp",
+        "test_lightning_trains_as_under_torch_ddp",
+        "test_a_rank_that_raises_inside_the_framework_is_named",
+        "test_the_engine_variable_swaps_before_the_program_and_costs_nothing_unset",
+        "test_a_bad_engine_variable_is_one_line",
+        "test_launch_engine_torch_keeps_torchs_class_and_collectives"},
     # 1.4 s, nearly all of it the first import of torch._dynamo (by torch.optim.SGD).
     "test_train_resume.py": {"test_workers_refuse_a_checkpoint_written_with_other_settings"},
 }
