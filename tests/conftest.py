@@ -79,6 +79,7 @@ LAYERS = {
     "test_zero3.py": MULTIPROCESS,
     "test_torch_ddp_suite.py": MULTIPROCESS,
     "test_torch_collective_suite.py": MULTIPROCESS,
+    "test_torch_swap.py": MULTIPROCESS,
     "test_comm_bench.py": E2E,
     "test_host_malloc.py": E2E,
     "test_ddp_examples.py": E2E,
@@ -100,6 +101,7 @@ LAYERS = {
     "test_train_example.py": E2E,
     "test_train_fault.py": E2E,
     "test_train_shard.py": E2E,
+    "test_frameworks.py": E2E,
 }
 # file -> test functions (every parametrization) or single parametrizations ("name[id]").
 # Four ranks on two cores: every test on the 4-rank pool is slow, and so is starting it.
@@ -220,7 +222,19 @@ SLOW = {
     "test_torch_ddp_suite.py": {"test_torch_ddp_test_passes_with_ddpkit",
                                 "test_census_every_cpu_ddp_test_of_torch_is_in_the_suite"},
     "test_torch_collective_suite.py": {"test_torch_collective_test_passes_with_ddpkit_comm",
-                                       "test_census_every_cpu_collective_test_is_in_the_suite"},
+                                       "test_census_every_cpu_collective_test_is_in_the_suite",
+                                       "test_torch_collective_test_passes_with_torchs_names_"
+                                       "routed_to_ddpkit"},
+    "test_torch_swap.py": {"test_torch_names_give_ddpkit_engine_that_is_also_torchs_class"},
+    # every test here starts interpreters that import torch (and most, a framework)
+    "test_frameworks.py": {
+        "test_accelerate_script_trains_as_under_torch_ddp",
+        "test_transformers_trainer_trains_as_under_torch_ddp",
+        "test_lightning_trains_as_under_torch_ddp",
+        "test_a_rank_that_raises_inside_the_framework_is_named",
+        "test_the_engine_variable_swaps_before_the_program_and_costs_nothing_unset",
+        "test_a_bad_engine_variable_is_one_line",
+        "test_launch_engine_torch_keeps_torchs_class_and_collectives"},
     # nearly all of its time is the first import of torch._dynamo (by torch.optim.SGD).
     "test_train_resume.py": {"test_workers_refuse_a_checkpoint_written_with_other_settings"},
 }

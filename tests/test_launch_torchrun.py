@@ -57,8 +57,10 @@ TIMEOUT_S = 120
 # DdpkitError escaping the script into one line and exit 2 (ddpkit/errors.py).
 # GLOO_SOCKET_IFNAME: a single-node run's gloo sockets on loopback only. The glibc
 # settings that keep large freed blocks in the workers' heaps (ddpkit/host_malloc.py).
+# DDPKIT_ENGINE: torch's DDP and CPU collectives made ddpkit's (ddpkit/engine_hook.py).
 DDPKIT_ONLY_ENV = {"DDPKIT_CLI_LOGGING", "DDPKIT_PROGRESS_FILE", "DDPKIT_ONE_LINE_ERRORS",
-                   "DDPKIT_LAUNCHER_PID", "GLOO_SOCKET_IFNAME", *KEEP_LARGE_BLOCKS}
+                   "DDPKIT_LAUNCHER_PID", "GLOO_SOCKET_IFNAME", "DDPKIT_ENGINE",
+                   *KEEP_LARGE_BLOCKS}
 FRESH_PER_RUN = {"TORCHELASTIC_ERROR_FILE"}  # a temp directory of each agent
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 

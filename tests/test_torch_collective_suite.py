@@ -60,6 +60,22 @@ def test_torch_collective_test_passes_with_ddpkit_comm(pools, tmp_path, name):
     torch_suite.check_passed(results, name, "calling ddpkit.comm", ONLY_RANK_0.get(name))
 
 
+# Tests whose calls the route leaves to torch's own function, with the reason.
+NOT_ROUTED = {"test_all_reduce_sum_async": "async_op=True calls stay torch's",
+              "test_all_reduce_complex_unsupported_ops": (
+                  "an op ddpkit refuses (max on complex) goes to torch, which raises")}
+
+
+@pytest.mark.parametrize("name", [n for n in COLLECTIVE_TESTS if n not in NOT_ROUTED])
+def test_torch_collective_test_passes_with_torchs_names_routed_to_ddpkit(pools, tmp_path,
+                                                                          name):
+    """What ``ddpkit launch`` gives a program: torch.distributed's own functions, which
+    hand the calls ddpkit serves to ddpkit.comm (:mod:`ddpkit.comm.torch_route`)."""
+    results = pools(WORLD_SIZE).run(torch_suite.run, name, "routed", str(tmp_path))
+    torch_suite.check_passed(results, name, "a call answered by ddpkit.comm",
+                             ONLY_RANK_0.get(name))
+
+
 def test_census_every_cpu_collective_test_is_in_the_suite(pools, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("the census is of the tests that run without a GPU")

@@ -39,6 +39,15 @@ def test_torch_ddp_test_passes_with_ddpkit(pools, tmp_path, name, world_size):
     torch_suite.check_passed(results, name, "building a ddpkit.DataParallel")
 
 
+@pytest.mark.parametrize("name", DDP_TESTS)
+def test_torch_ddp_test_passes_with_the_class_ddpkit_launch_puts_behind_torchs_name(
+        pools, tmp_path, name):
+    """The class programs get under ``ddpkit launch`` (ddpkit's engine that is also
+    torch's class, torch's private methods left out): torch's tests pass with it too."""
+    results = pools(2).run(torch_suite.run, name, "swapped", str(tmp_path))
+    torch_suite.check_passed(results, name, "building ddpkit's engine under torch's name")
+
+
 def test_census_every_cpu_ddp_test_of_torch_is_in_the_suite(pools, tmp_path):
     """torch's class passes exactly DDP_TESTS + EXCLUDED here; the others skip."""
     if torch.cuda.is_available():

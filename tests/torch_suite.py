@@ -19,6 +19,11 @@ test:
   gloo) and replaced by a stronger one: every call is also made with torch's function on
   a copy of its input, and the results must be equal (torch's all_reduce tests check no
   values of their own);
+* ``"routed"``: torch's own names, with ``ddpkit.comm.torch_route`` behind them (what
+  ``ddpkit launch`` does in every worker): each call checked against torch's function as
+  for ``"comm"``, and counted as reaching ddpkit only when the route answered it;
+* ``"swapped"``: ``ddpkit.parallel.compat.torch_swap.DistributedDataParallel`` (ddpkit's engine
+  that is also torch's class) behind both of torch's names, as for ``"ddpkit"``;
 * ``"torch"``: nothing substituted (the baseline).
 
 Nothing of torch's test code is copied; a torch release that changes the tests changes
@@ -37,9 +42,10 @@ import types
 import unittest
 
 import ddpkit
+from ddpkit.parallel import torch_swap
 
 MODULE = "torch.testing._internal.distributed.distributed_test"
-ENGINES = ("torch", "ddpkit", "comm")
+ENGINES = ("torch", "ddpkit", "comm", "routed", "swapped")
 # How often the running test reached ddpkit (models built, collectives called): a test
 # that passes without ever reaching it proves nothing, so callers check it.
 _uses = [0]
@@ -47,6 +53,14 @@ _uses = [0]
 
 class CountedDataParallel(ddpkit.DataParallel):
     """ddpkit.DataParallel, counting constructions (module level: models pickle)."""
+
+    def __init__(self, *args, **kwargs):
+        _uses[0] += 1
+        super().__init__(*args, **kwargs)
+
+
+class CountedSwap(torch_swap.DistributedDataParallel):
+    """ddpkit's engine that is also torch's class, counting constructions."""
 
     def __init__(self, *args, **kwargs):
         _uses[0] += 1
@@ -127,14 +141,15 @@ class _Checked:
         return getattr(self._handle, name)
 
 
-def _against_torch(name: str, ours, theirs):
-    """``ours`` called as torch's ``theirs`` would be, and checked against it."""
+def _against_torch(name: str, ours, theirs, count: bool = True):
+    """``ours`` called as torch's ``theirs`` would be, and checked against it (counted as
+    reaching ddpkit unless ``count`` is False: ``ours`` then counts)."""
     import torch
 
     signature = inspect.signature(theirs)
 
     def call(*args, **kwargs):
-        _uses[0] += 1
+        _uses[0] += count
         bound = signature.bind(*args, **kwargs)
         tensor = bound.arguments.get("tensor")
         expected = None
@@ -171,8 +186,23 @@ def _against_torch(name: str, ours, theirs):
     return call
 
 
+def _counting_route(name: str, dispatcher):
+    """torch's name with the route behind it, counting the calls ddpkit answered."""
+    from ddpkit.comm import torch_route
+
+    def call(*args, **kwargs):
+        before = torch_route.counts().get(name, 0)
+        try:
+            return dispatcher(*args, **kwargs)
+        finally:  # a call ddpkit answered with an error counts too (the timeout tests)
+            _uses[0] += torch_route.counts().get(name, 0) - before
+
+    return call
+
+
 def _substitute(dt, engine: str) -> list:
-    """Put ddpkit behind torch's names; returns how to undo it."""
+    """Put ddpkit behind torch's names; returns how to undo it ((owner, name, value) to
+    set back, or a function to call), last first."""
     import torch
     import torch.distributed as dist
 
@@ -199,6 +229,21 @@ def _substitute(dt, engine: str) -> list:
         put(dt, "dist", _TorchDistributed(dist, ours))
         put(dt, "PROFILING_SUPPORTED_BACKENDS", [])
         put(dt, "CUDA_PROFILING_SUPPORTED_BACKENDS", [])
+    elif engine == "routed":
+        from ddpkit.comm import torch_route
+
+        torch_route.route()
+        undo.append(torch_route.restore)
+        ours = {name: _against_torch(name, _counting_route(name, getattr(dist, name)),
+                                     torch_route.original(name), count=False)
+                for name in ("all_reduce", "broadcast", "reduce")}
+        ours["barrier"] = _counting_route("barrier", dist.barrier)
+        put(dt, "dist", _TorchDistributed(dist, ours))
+        put(dt, "PROFILING_SUPPORTED_BACKENDS", [])
+        put(dt, "CUDA_PROFILING_SUPPORTED_BACKENDS", [])
+    elif engine == "swapped":
+        put(dt, "DistributedDataParallel", CountedSwap)
+        put(torch.nn.parallel, "DistributedDataParallel", CountedSwap)
     elif engine != "torch":
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     return undo
@@ -239,8 +284,11 @@ def _run(world, name: str, engine: str, temp_dir: str) -> tuple[str, str]:
     except Exception:
         return "fail", traceback.format_exc()
     finally:
-        for owner, attr, value in reversed(undo):
-            setattr(owner, attr, value)
+        for item in reversed(undo):
+            if callable(item):
+                item()
+            else:
+                setattr(*item)
 
 
 def run_many(world, names: list[str], engine: str, temp_dir: str) -> dict[str, tuple]:

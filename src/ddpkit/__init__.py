@@ -1,7 +1,8 @@
 """ddpkit: distributed data-parallel training on PyTorch.
 
 Public API (stable names): World, init, shutdown, distributed, spawn, DataParallel,
-join, Checkpointer, Run (your own loop with resume, preemption and hang detection), and
+join, Checkpointer, Run (your own loop with resume, preemption and hang detection),
+patch_torch (torch's DistributedDataParallel and CPU collectives made ddpkit's), and
 the subpackages comm, data, parallel, checkpoint, fault, loop and plan.
 
 The names that need torch are imported on first use (PEP 562 ``__getattr__``):
@@ -41,6 +42,7 @@ _LAZY = {
     "distributed": "ddpkit.runtime",
     "init": "ddpkit.runtime",
     "shutdown": "ddpkit.runtime",
+    "patch_torch": "ddpkit.parallel.compat.torch_swap",
 }
 _SUBPACKAGES = ("checkpoint", "comm", "data", "fault", "loop", "parallel", "plan")
 
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from ddpkit.checkpoint import Checkpointer
     from ddpkit.loop import Run
     from ddpkit.parallel import DataParallel, join
+    from ddpkit.parallel.compat.torch_swap import patch_torch
     from ddpkit.runtime import distributed, init, shutdown
 
 
@@ -86,6 +89,7 @@ __all__ = [
     "join",
     "loop",
     "parallel",
+    "patch_torch",
     "plan",
     "shutdown",
     "spawn",

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from ddpkit import rendezvous
 from ddpkit.console import PROGRESS_ENV, Console, columns
+from ddpkit.engine_hook import ENGINE_ENV
 from ddpkit.errors import ONE_LINE_ERRORS_ENV, ConfigError
 from ddpkit.host_malloc import worker_malloc_env
 from ddpkit.launcher_link import FinalFailure, continue_stopped_children, linked_workers
@@ -75,6 +76,9 @@ class LaunchOptions:
     rdzv_timeout: float | None = None  # seconds to reach the first node and for all to join
     extra_env: dict[str, str] = field(default_factory=dict)
     plain_terminal: bool = False  # lines for a person on a terminal (see the module doc)
+    # what torch's DDP name is in the workers; ddpkit train/verify build their engine
+    # themselves, and their --engine torch means torch's own class
+    engine: str = "torch"
 
 
 def local_addresses() -> set[str]:
@@ -132,7 +136,8 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 def torchrun_argv(opts: LaunchOptions, nproc: int) -> list[str]:
     argv = ["--nnodes", opts.nnodes, "--nproc-per-node", str(nproc),
             "--max-restarts", str(opts.max_restarts),
-            "--monitor-interval", str(opts.monitor_interval), "--tee", "3"]
+            "--monitor-interval", str(opts.monitor_interval), "--tee", "3",
+            "--engine", opts.engine]
     if opts.log_dir:
         argv += ["--log-dir", opts.log_dir]
     single_node = opts.nnodes in ("1", "1:1")
@@ -250,6 +255,7 @@ def launch_argv(argv: Sequence[str],
 
     args = torchrun_args.parse(list(argv))
     run_through_script_runner(args, torchrun.get_use_env(args))
+    os.environ[ENGINE_ENV] = args.engine  # read by every worker (ddpkit.engine_hook)
     # A DdpkitError escaping the script: one line per rank and exit 2, not a traceback.
     os.environ.setdefault(ONE_LINE_ERRORS_ENV, "1")
     os.environ.update(worker_malloc_env())  # workers reuse large blocks (host_malloc)
@@ -415,7 +421,7 @@ def choose_network(args, multi_node: bool) -> None:
 
 # Messages of ranks that died only because a peer went away first.
 _PEER_GONE = ("Connection closed by peer", "Connection reset", "Broken pipe", "DistBackendError",
-              "DistNetworkError")
+              "DistNetworkError", "exited during a shared-memory collective")
 
 
 # What torch's ProcessFailure holds as the message when the rank wrote no error file.

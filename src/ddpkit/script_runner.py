@@ -9,7 +9,9 @@ process group), then the default process group is destroyed after the ranks meet
 (:mod:`ddpkit.lifetime`). The groups' gloo threads are therefore joined before the
 interpreter finalizes, where a thread still freeing a collective's Python objects would
 otherwise abort the process ("terminate called without an active exception") although
-the program succeeded. The program's own code is not touched.
+the program succeeded. The program's own code is not touched; with
+``DDPKIT_ENGINE=ddpkit`` (``ddpkit launch``'s default) torch's DistributedDataParallel and
+CPU collectives are ddpkit's before its first line (:mod:`ddpkit.engine_hook`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import runpy
 import sys
 import types
 
-from ddpkit import lifetime
+from ddpkit import engine_hook, lifetime
 
 USAGE = "usage: python -m ddpkit.script_runner (SCRIPT | -m MODULE) [ARGS...]"
 
@@ -95,6 +97,7 @@ def main(argv: list[str]) -> None:
         print(USAGE, file=sys.stderr)
         raise SystemExit(2)
     lifetime.destroy_default_group_at_exit()
+    engine_hook.install_from_env()  # DDPKIT_ENGINE=ddpkit: torch's DDP is ddpkit's
     # Registered before the program runs, so it runs after the program's own handlers
     # and before ddpkit.lifetime's teardown (atexit runs handlers last-in, first-out).
     atexit.register(free_program)
@@ -119,6 +122,19 @@ def report_uncaught(exc: BaseException) -> None:
     exc = exc.with_traceback(tb)
     sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
     sys.excepthook(type(exc), exc, tb)
+    record_for_the_agent(exc)
+
+
+def record_for_the_agent(exc: BaseException) -> None:
+    """What torchrun's ``@record`` does, for every program: the exception goes to the
+    rank's error file, so the launcher's summary can tell a rank that raised from the
+    peers that then lost it ("Connection closed by peer"), although torchrun's clock ties
+    them to the second."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(exc)
 
 
 def _is_runner_frame(frame) -> bool:

@@ -65,7 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
     for action in parser._actions:  # torch's help is written for its reST docs
         if action.help:
             action.help = plain(action.help)
+    add_engine_option(parser)
     return parser
+
+
+def add_engine_option(parser: argparse.ArgumentParser) -> None:
+    """ddpkit's one option of its own: what torch's DistributedDataParallel and CPU
+    collectives are in the workers (DDPKIT_ENGINE, which sets its default)."""
+    from ddpkit.engine_hook import ENGINES, engine_from_env
+
+    parser.add_argument(
+        "--engine", choices=ENGINES, default=engine_from_env() or "ddpkit",
+        help="ddpkit: in every worker torch's DistributedDataParallel is ddpkit's engine (for "
+             "CPU modules) and torch.distributed's CPU collectives are ddpkit's; torch: "
+             "torch's own (default: $DDPKIT_ENGINE, else ddpkit; docs/frameworks.md)")
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

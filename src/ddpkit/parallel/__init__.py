@@ -66,7 +66,8 @@ def _torch_ddp(
     comm: str = "auto",
     shard: str = "none",
 ) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
+    # torch's own class, also where ddpkit's engine stands behind torch's name (torch_swap)
+    from ddpkit.parallel.compat.torch_swap import TORCH_DDP as DistributedDataParallel
 
     if first_bucket_cap_mb is not None or initial_bucketing is not None:
         raise ConfigError("first_bucket_cap_mb and initial_bucketing are ddpkit engine options; "

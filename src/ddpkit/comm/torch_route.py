@@ -1,0 +1,196 @@
+"""torch.distributed's own collectives, answered by ddpkit's where ddpkit's are proven.
+
+:func:`route` puts a dispatcher behind ``torch.distributed.all_reduce``, ``broadcast``,
+``reduce`` and ``barrier`` (and the same names in ``torch.distributed.distributed_c10d``,
+which torch's object collectives such as ``broadcast_object_list`` call). These four are
+the collectives whose torch tests pass with ddpkit's functions behind torch's names
+(tests/test_torch_collective_suite.py). A call goes to ddpkit's collective when all of
+this holds, and to torch's own function, untouched, otherwise:
+
+* it is synchronous (``async_op=False``) and, for ``barrier``, has no ``timeout``;
+* its tensor is a plain dense CPU tensor (or a parameter) of a dtype ddpkit reduces or
+  moves, and for a reduction the op is sum, product, min or max;
+* its group (the default one when None) is a gloo group;
+* it is not a call ddpkit itself makes (ddpkit's modules call torch's collectives on
+  purpose: the ``backend`` algorithm, torch-engine comparisons), nor one made while a
+  routed call runs, nor one traced by ``torch.compile`` (which rewrites torch's own
+  functions, not these).
+
+Every condition is a property of the call's arguments, which are the same on every rank
+of a correct program, so all ranks of a group take the same road. ``restore`` puts
+torch's functions back.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from ddpkit import lifetime
+from ddpkit.comm import collectives, ops
+
+NAMES = ("all_reduce", "broadcast", "reduce", "barrier")
+# The reductions torch's own tests run on ddpkit's functions (sum, product, min, max).
+_ROUTED_OPS = {op: name for op, name in ((dist.ReduceOp.SUM, "sum"),
+                                        (dist.ReduceOp.PRODUCT, "product"),
+                                        (dist.ReduceOp.MIN, "min"),
+                                        (dist.ReduceOp.MAX, "max"))}
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_MODULES = (dist, distributed_c10d)
+
+_originals: dict[str, Callable] = {}  # name -> torch's function while routed
+_inside = threading.local()  # .active: a routed call is running on this thread
+_gloo_groups = lifetime.PerGroup()  # group -> whether ddpkit answers its collectives
+_counts: Counter = Counter()  # name -> calls answered by ddpkit in this process
+
+
+def routed() -> bool:
+    return bool(_originals)
+
+
+def counts() -> dict[str, int]:
+    """How many calls of each name ddpkit answered in this process."""
+    return dict(_counts)
+
+
+def original(name: str) -> Callable:
+    """torch's own function behind ``name`` (routed or not)."""
+    return _originals.get(name) or getattr(distributed_c10d, name)
+
+
+def route() -> None:
+    """Put the dispatchers behind torch's names (once; idempotent)."""
+    if routed():
+        return
+    for name in NAMES:
+        original = getattr(distributed_c10d, name)
+        _originals[name] = original
+        wrapper = functools.wraps(original)(_DISPATCHERS[name])
+        for module in _MODULES:
+            setattr(module, name, wrapper)
+
+
+def restore() -> None:
+    """Give torch's names back their own functions."""
+    for name, original in _originals.items():
+        for module in _MODULES:
+            setattr(module, name, original)
+    _originals.clear()
+
+
+def _from_ddpkit(depth: int = 2) -> bool:
+    """Whether the function calling the dispatcher belongs to ddpkit."""
+    caller = sys._getframe(depth).f_globals.get("__name__", "")
+    return caller == "ddpkit" or caller.startswith("ddpkit.")
+
+
+def _group_served(group) -> bool:
+    """A gloo group (None: the default group) whose collectives ddpkit answers."""
+    if not dist.is_initialized():
+        return False
+    try:
+        served = _gloo_groups.get(group)
+    except TypeError:  # not a process group object: torch's function will say so
+        return False
+    if served is None:
+        try:
+            served = str(dist.get_backend(group)) == "gloo"
+        except (RuntimeError, ValueError):  # not a member, or not a group torch knows
+            served = False
+        _gloo_groups.set(group, served)
+    return served
+
+
+def _plain_cpu(tensor: Any) -> bool:
+    return (type(tensor) in _PLAIN_TENSORS and tensor.device.type == "cpu"
+            and tensor.layout == torch.strided)
+
+
+def _ours(async_op: bool, group) -> bool:
+    """The checks every routed call shares (the caller adds its tensor's and op's)."""
+    return (not async_op and not getattr(_inside, "active", False)
+            and not torch.compiler.is_compiling() and not _from_ddpkit(3)
+            and _group_served(group))
+
+
+def _default_to_none(group):
+    # ddpkit's quickest path is for the default group given as None (ddpkit.comm.fast_path).
+    return None if group is not None and group is dist.group.WORLD else group
+
+
+def _call(name: str, fn: Callable, tensor: torch.Tensor | None, *args: Any) -> None:
+    _counts[name] += 1
+    _inside.active = True
+    try:
+        if tensor is not None and tensor.requires_grad:
+            # torch's collectives write into a tensor behind autograd's back; ours copy
+            # with tensor ops, which autograd would refuse on a leaf that needs grad.
+            with torch.no_grad():
+                fn(tensor, *args)
+        else:
+            fn(*((tensor,) if tensor is not None else ()), *args)
+    finally:
+        _inside.active = False
+
+
+def _reduction(op, dtype: torch.dtype, collective: str) -> str | None:
+    """ddpkit's name of ``op`` when ddpkit reduces ``dtype`` with it, else None."""
+    try:
+        name = _ROUTED_OPS.get(op)
+    except TypeError:  # an unhashable op object (PREMUL_SUM carries a factor)
+        return None
+    if name is None:
+        return None
+    try:
+        ops.check_op(name, dtype, collective)
+    except Exception:
+        return None
+    return name
+
+
+def _movable(dtype: torch.dtype) -> bool:
+    return dtype in ops.DTYPES or dtype in ops.COMPLEX_DTYPES
+
+
+def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    if _plain_cpu(tensor) and _ours(async_op, group):
+        name = _reduction(op, tensor.dtype, "all_reduce")
+        if name is not None:
+            return _call("all_reduce", collectives.all_reduce, tensor, name,
+                         _default_to_none(group))
+    return _originals["all_reduce"](tensor, op, group, async_op)
+
+
+def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    if _plain_cpu(tensor) and _movable(tensor.dtype) and _ours(async_op, group):
+        return _call("broadcast", collectives.broadcast, tensor, src, _default_to_none(group),
+                     False, group_src)
+    return _originals["broadcast"](tensor, src, group, async_op, group_src)
+
+
+def _reduce(tensor, dst=None, op=dist.ReduceOp.SUM, group=None, async_op=False,
+            group_dst=None):
+    if _plain_cpu(tensor) and _ours(async_op, group):
+        name = _reduction(op, tensor.dtype, "reduce")
+        if name is not None:
+            return _call("reduce", collectives.reduce, tensor, dst, name,
+                         _default_to_none(group), False, group_dst)
+    return _originals["reduce"](tensor, dst, op, group, async_op, group_dst)
+
+
+def _barrier(group=None, async_op=False, device_ids=None, timeout=None):
+    if timeout is None and _ours(async_op, group):
+        return _call("barrier", collectives.barrier, None, _default_to_none(group))
+    return _originals["barrier"](group, async_op, device_ids, timeout)
+
+
+_DISPATCHERS = {"all_reduce": _all_reduce, "broadcast": _broadcast, "reduce": _reduce,
+                "barrier": _barrier}
