@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddpkit.comm import torch_route
-from ddpkit.parallel import DataParallel, torch_swap
+from ddpkit.parallel import DataParallel
+from ddpkit.parallel.compat import torch_swap
 from ddpkit.parallel.compat.torch_swap import TORCH_DDP
 
 

@@ -42,7 +42,7 @@ import types
 import unittest
 
 import ddpkit
-from ddpkit.parallel import torch_swap
+from ddpkit.parallel.compat import torch_swap
 
 MODULE = "torch.testing._internal.distributed.distributed_test"
 ENGINES = ("torch", "ddpkit", "comm", "routed", "swapped")
