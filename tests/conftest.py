@@ -80,6 +80,7 @@ LAYERS = {
     "test_host_malloc.py": E2E,
     "test_ddp_examples.py": E2E,
     "test_docs.py": E2E,
+    "test_elastic.py": E2E,
     "test_env_cmd.py": E2E,
     "test_exact_cli.py": E2E,
     "test_examples.py": E2E,

@@ -18,11 +18,13 @@ listens or sends outside loopback and these namespaces.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,3 +184,91 @@ class Cluster:
         self._made.clear()
 
 
+
+
+# ---------------------------------------------------------------------- a job on the hosts
+DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
+C10D_PORT = 29400  # inside the first host's own namespace: nothing else listens there
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """The caller's environment without launcher, interface or fault variables."""
+    drop = ("GLOO_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+            "LOCAL_RANK", "LOCAL_WORLD_SIZE", "DDPKIT_HOST_ID")
+    env = {k: v for k, v in os.environ.items()
+           if k not in drop and not k.startswith(("SLURM_", "OMPI_", "PMI_", "DDPKIT_TEST_"))}
+    return {**env, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **extra}
+
+
+class ElasticJob:
+    """One ``ddpkit train --nnodes MIN:MAX`` job on a :class:`Cluster`: the same command
+    on every host (a host may be started again), each host's output in its own log."""
+
+    def __init__(self, cluster: Cluster, run_dir: Path, train_args: list[str], *,
+                 backend: str = "c10d", nnodes: str = "2:3", max_restarts: int = 3):
+        self.cluster, self.run_dir, self.backend = cluster, run_dir, backend
+        if backend == "etcd-v2":
+            self.endpoint = cluster.start_etcd()
+        else:
+            self.endpoint = f"{cluster.hosts[0].addr}:{C10D_PORT}"
+        self.argv = [*DDPKIT, "train", *train_args, "--nnodes", nnodes,
+                     "--nproc-per-node", "1", "--max-restarts", str(max_restarts),
+                     "--rdzv-backend", backend, "--rdzv-endpoint", self.endpoint,
+                     "--rdzv-id", f"job-{cluster.prefix}", "--run-dir", str(run_dir)]
+        self.procs: list[tuple[TestHost, subprocess.Popen, Path]] = []
+
+    def start(self, host: TestHost, **env: str) -> subprocess.Popen:
+        log = self.cluster.workdir / f"host{host.number}-{len(self.procs)}.log"
+        with log.open("w") as sink:
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", host.netns, *self.argv], stdout=sink,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                # each test host is a host of its own to ddpkit (no shared memory across)
+                env=launch_env(DDPKIT_HOST_ID=f"test-host-{host.number}", **env))
+        self.procs.append((host, proc, log))
+        return proc
+
+    def last(self, host: TestHost) -> tuple[subprocess.Popen, Path]:
+        _, proc, log = [p for p in self.procs if p[0] == host][-1]
+        return proc, log
+
+    def log(self, host: TestHost) -> str:
+        return self.last(host)[1].read_text(errors="replace")
+
+    def wait(self, host: TestHost, timeout: float) -> int:
+        proc, _ = self.last(host)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"host {host.number} still running after {timeout:g} s:\n"
+                                 + self.log(host)[-3000:]) from None
+
+    def close(self) -> None:
+        for _, proc, _ in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def last_step(run_dir: Path) -> int:
+    """The newest step rank 0 logged in ``run_dir``'s sample log (0: none yet)."""
+    try:
+        lines = (run_dir / "sample_ids" / "rank0.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    steps = [json.loads(line)["step"] for line in lines if line.endswith("}")]
+    return max(steps, default=0)
+
+
+def wait_until(what: str, predicate, timeout: float, job: ElasticJob | None = None) -> float:
+    """Poll ``predicate`` until it holds; the time it first held."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            logs = "" if job is None else "\n---\n".join(
+                f"host {h.number}: {log.read_text(errors='replace')[-1500:]}"
+                for h, _, log in job.procs)
+            raise AssertionError(f"{what}: not within {timeout:g} s\n{logs}")
+        time.sleep(0.05)
+    return time.monotonic()

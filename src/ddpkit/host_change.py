@@ -15,17 +15,15 @@ and the workers it starts on one host:
   0 of every host prints one line: ``host 10.0.0.3 lost after step 1005; continuing
   on 2 hosts from step 990``.
 
-Torch-free: the trainer is only called back.
+This module is the protocol (names, the note's format, the line); the training
+application's side is ``ddpkit.train.host_report``. Torch-free.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import struct
-import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ddpkit.writer_fence import generation
@@ -96,26 +94,3 @@ def describe(change: Mapping[str, Any], resumed_step: int) -> str:
     count = change.get("hosts")
     return (f"{' and '.join(parts)}{when}; continuing on {count} "
             f"host{'s' if count != 1 else ''} from step {resumed_step}")
-
-
-@contextlib.contextmanager
-def reporting(trainer: Any, env: Mapping[str, str] | None = None) -> Iterator[None]:
-    """Around a resumed trainer's ``fit()``: the change line, the step note."""
-    env = os.environ if env is None else env
-    local_rank0 = env.get("LOCAL_RANK", "0") == "0"
-    change = env.get(CHANGE_ENV)
-    if change and local_rank0:
-        line = describe(json.loads(change), trainer.loop.step)
-        print(f"ddpkit train: {line}", file=sys.stderr, flush=True)
-    path = env.get(STEP_NOTE_ENV)
-    if not (path and local_rank0):
-        yield
-        return
-    note = StepNote(path)
-    note.write(trainer.loop.step)
-    trainer.step_callbacks.append(lambda t: note.write(t.loop.step))
-    try:
-        yield
-        note.write(trainer.loop.step, STOPPED if trainer.preempted else FINISHED)
-    finally:
-        note.close()

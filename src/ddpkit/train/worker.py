@@ -28,7 +28,7 @@ from ddpkit import host_change
 from ddpkit.fault import EXIT_PREEMPTED
 from ddpkit.launcher_link import die_with_launcher
 from ddpkit.runtime import distributed
-from ddpkit.train import inject
+from ddpkit.train import host_report, inject
 from ddpkit.train.config import Config
 from ddpkit.train.entry import exit_process, run_entry
 from ddpkit.train.options import (
@@ -70,7 +70,7 @@ def run_worker(cfg: Config, plan: WorkerPlan | None = None,
         inject.install(trainer, env or {}, plan.restart_count)
         if plan.resume or plan.restart_count > 0:
             trainer.restore(required=plan.resume)
-        with host_change.reporting(trainer, env or {}):  # elastic jobs: the hosts' side
+        with host_report.reporting(trainer, env or {}):  # elastic jobs: the hosts' side
             trainer.fit()  # distributed() waits for every rank before tearing gloo down
     if trainer.preempted and not plan.under_agent:
         return EXIT_PREEMPTED

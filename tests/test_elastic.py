@@ -1,0 +1,224 @@
+"""Losing and gaining hosts in a running job: three test hosts, `ddpkit train --nnodes 2:3`.
+
+The hosts are network namespaces on one switch (``elastic_cluster``); a host is lost by
+killing every process in it, or by cutting it off the network (its processes live on,
+unreachable), and gained by starting the same command there. Every run is exact mode
+with a global batch of 96 in 12 slices, so W = 2 and W = 3 compute the same bits, and
+each scenario must end ``torch.equal`` to the uninterrupted run of the same job, with
+every step trained into the weights once (the sample-id log).
+
+The runs park every rank after a known step (``DDPKIT_TEST_SLEEP_AT_STEP``, a later
+group with ``DDPKIT_TEST_SLEEP_IN_ROUND``), so that the loss or the new host lands
+there and nothing depends on the test's timing. Five repeats of each scenario, and the
+times from a loss to training again, are ``benchmarks/elastic.py``'s.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddpkit.loop.sample_ids import read_sample_logs
+from ddpkit.writer_fence import FENCE_FILE
+from elastic_cluster import Cluster, ElasticJob, last_step, wait_until
+
+EPOCHS, STEPS_PER_EPOCH = 8, 15  # digits: 1438 training samples, global batch 96
+PAUSED_AT, CHECKPOINT = 34, 30  # every rank sleeps after step 34; a checkpoint every 10
+REGROWN_AT = 50  # the second group parks here for a host to join
+
+
+def exact_flags() -> list[str]:
+    """Exact mode's options, in one place."""
+    return ["--exact", "--virtual-shards", "12"]
+
+
+JOB = [*exact_flags(), "--batch-size", "96", "--epochs", str(EPOCHS), "--seed", "7",
+       "--checkpoint-every-steps", "10", "--log-sample-ids", "--no-progress"]
+PARK = {"DDPKIT_TEST_SLEEP_AT_STEP": f"{PAUSED_AT}:*:120"}
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made = Cluster(3, tmp_path)
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def reference(train_reference) -> Path:
+    """The job uninterrupted, on one process (exact mode: the bits of any W)."""
+    return train_reference(1, JOB)
+
+
+def _job(cluster: Cluster, tmp_path: Path, **kwargs) -> ElasticJob:
+    job = ElasticJob(cluster, tmp_path / "run", JOB, **kwargs)
+    return job
+
+
+def _parked(job: ElasticJob, step: int) -> None:
+    wait_until(f"step {step} reached", lambda: last_step(job.run_dir) >= step, 180, job)
+
+
+def assert_same_weights(run: Path, reference: Path) -> None:
+    got = torch.load(run / "model.pt", weights_only=True)
+    want = torch.load(reference / "model.pt", weights_only=True)
+    assert got.keys() == want.keys()
+    differ = [key for key in want if not torch.equal(got[key], want[key])]
+    assert not differ, f"final weights differ from the uninterrupted run in {differ}"
+
+
+def assert_every_step_once(run: Path, reference: Path) -> None:
+    """Each step of the run trained on the reference's global batch (whatever ranks held
+    it), each (step, rank) once: no step trained twice into the weights or skipped."""
+    def by_step(path: Path) -> dict[int, list[int]]:
+        records = read_sample_logs(path)
+        keys = collections.Counter((r["step"], r["rank"]) for r in records)
+        twice = [key for key, n in keys.items() if n > 1]
+        assert not twice, f"(step, rank) logged twice: {twice[:5]}"
+        steps: dict[int, list[int]] = collections.defaultdict(list)
+        for r in records:
+            steps[r["step"]] += r["ids"]
+        return {step: sorted(ids) for step, ids in steps.items()}
+
+    mine = by_step(run)
+    assert sorted(mine) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
+    assert mine == by_step(reference)
+
+
+def _finish(job: ElasticJob, hosts, timeout: float = 180) -> None:
+    for host in hosts:
+        code = job.wait(host, timeout)
+        assert code == 0, f"host {host.number} exited {code}:\n{job.log(host)[-3000:]}"
+
+
+# ---------------------------------------------------------------------------------- c10d
+@pytest.mark.slow
+@pytest.mark.netns
+def test_a_host_cut_off_the_network_is_left_behind_and_the_run_keeps_its_bits(
+        cluster, tmp_path, reference):
+    job = _job(cluster, tmp_path)
+    try:
+        for host in cluster.hosts:
+            job.start(host, **PARK)
+        _parked(job, PAUSED_AT)
+        lost = cluster.hosts[2]
+        cluster.cut(lost)
+        # The cut host stops its workers and its launcher by itself, network or not.
+        wait_until("the cut host's processes gone", lambda: not cluster.pids(lost), 30, job)
+        cluster.reconnect(lost)
+        assert job.wait(lost, 5) == 69
+        assert "this host lost contact with the rendezvous store" in job.log(lost)
+        _finish(job, cluster.hosts[:2])
+        line = (f"ddpkit train: host {lost.addr} lost after step {PAUSED_AT}; continuing on 2 "
+                f"hosts from step {CHECKPOINT}")
+        for host in cluster.hosts[:2]:
+            assert job.log(host).count(line) == 1, job.log(host)[-3000:]
+            assert "Traceback" not in job.log(host), job.log(host)[-3000:]
+    finally:
+        job.close()
+    assert_same_weights(job.run_dir, reference)
+    assert_every_step_once(job.run_dir, reference)
+    # The survivors' group took the run over: the lost host's round may not write.
+    assert (job.run_dir / "checkpoints" / FENCE_FILE).read_text().strip().endswith(":1")
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_a_killed_host_then_a_host_joining_end_with_the_uninterrupted_bits(
+        cluster, tmp_path, reference):
+    job = _job(cluster, tmp_path)
+    third = cluster.hosts[2]
+    try:
+        for host in cluster.hosts:
+            job.start(host, **PARK, DDPKIT_TEST_SLEEP_IN_ROUND=f"1:{REGROWN_AT}:120")
+        _parked(job, PAUSED_AT)
+        cluster.kill(third)
+        _parked(job, REGROWN_AT)  # two hosts went on from the checkpoint, and park again
+        job.start(third)  # the same command on the host that came back
+        _finish(job, cluster.hosts)
+        shrunk = (f"ddpkit train: host {third.addr} lost after step {PAUSED_AT}; continuing on "
+                  f"2 hosts from step {CHECKPOINT}")
+        # The two hosts stop at the next step with a checkpoint: no step is lost to a join.
+        grown = (f"ddpkit train: host {third.addr} joined after step {REGROWN_AT}; continuing "
+                 f"on 3 hosts from step {REGROWN_AT}")
+        for host in cluster.hosts[:2]:
+            assert job.log(host).count(shrunk) == 1, job.log(host)[-3000:]
+            assert job.log(host).count(grown) == 1, job.log(host)[-3000:]
+        assert "3 rank(s) x 32 = global batch 96" in job.log(cluster.hosts[0])
+    finally:
+        job.close()
+    assert_same_weights(job.run_dir, reference)
+    assert_every_step_once(job.run_dir, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_losing_the_first_host_under_c10d_is_one_line_on_every_other_host(cluster, tmp_path):
+    job = _job(cluster, tmp_path)
+    try:
+        for host in cluster.hosts:
+            job.start(host, **PARK)
+        _parked(job, PAUSED_AT)
+        lost = time.monotonic()
+        cluster.kill(cluster.hosts[0])
+        for host in cluster.hosts[1:]:
+            assert job.wait(host, 30) == 69
+            lines = [line for line in job.log(host).splitlines()
+                     if line.startswith("ddpkit launch:")]
+            assert len(lines) == 1, job.log(host)[-3000:]
+            assert "the first host, which holds the store under c10d" in lines[0]
+            assert "--rdzv-backend etcd-v2" in lines[0]
+            assert not cluster.pids(host), "a process of a surviving host is left"
+        assert time.monotonic() - lost < 30
+    finally:
+        job.close()
+
+
+# ------------------------------------------------------------------------------ etcd-v2
+@pytest.mark.slow
+@pytest.mark.netns
+def test_under_etcd_the_first_host_can_be_lost_and_the_run_keeps_its_bits(
+        cluster, tmp_path, reference):
+    job = _job(cluster, tmp_path, backend="etcd-v2")
+    first = cluster.hosts[0]
+    try:
+        for host in cluster.hosts:
+            job.start(host, **PARK)
+        _parked(job, PAUSED_AT)
+        cluster.kill(first)
+        _finish(job, cluster.hosts[1:])
+        line = (f"ddpkit train: host {first.addr} lost after step {PAUSED_AT}; continuing on 2 "
+                f"hosts from step {CHECKPOINT}")
+        for host in cluster.hosts[1:]:
+            assert job.log(host).count(line) == 1, job.log(host)[-3000:]
+    finally:
+        job.close()
+    assert_same_weights(job.run_dir, reference)
+    assert_every_step_once(job.run_dir, reference)
+
+
+# ---------------------------------------------------------------------- after the last step
+@pytest.mark.slow
+@pytest.mark.netns
+def test_a_host_lost_after_the_final_checkpoint_keeps_no_survivor_waiting(cluster, tmp_path):
+    """Default mode (no --exact): torchrun's exit barrier would keep the survivors up to
+    300 s; they end 0 within the detection time."""
+    argv = ["--batch-size", "96", "--epochs", "2", "--seed", "7", "--no-progress"]
+    job = ElasticJob(cluster, tmp_path / "run", argv)
+    final = job.run_dir / "checkpoints" / f"step_{2 * STEPS_PER_EPOCH:09d}.json"
+    try:
+        for host in cluster.hosts:
+            job.start(host)
+        # Then the workers write the results (rank 0) and meet a last time.
+        wait_until("the final checkpoint", final.exists, 180, job)
+        lost = time.monotonic()
+        cluster.kill(cluster.hosts[2])
+        _finish(job, cluster.hosts[:2], timeout=60)
+        assert time.monotonic() - lost < 30
+        assert (job.run_dir / "summary.json").exists()
+    finally:
+        job.close()
