@@ -38,6 +38,7 @@ LAYERS = {
     "test_metric_log.py": UNIT,
     "test_data_datasets.py": UNIT,
     "test_data_partition.py": UNIT,
+    "test_elastic_parts.py": UNIT,
     "test_ddp_buckets.py": UNIT,
     "test_exact_sum.py": UNIT,
     "test_readme.py": UNIT,

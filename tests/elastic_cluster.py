@@ -17,6 +17,7 @@ listens or sends outside loopback and these namespaces.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -29,7 +30,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from conftest import skip_unless_required
+from ddpkit.loop.sample_ids import read_sample_logs
 
 ETCD_PORT = 2379
 
@@ -52,7 +56,7 @@ def _free_prefix() -> str:
 
 
 @dataclass(frozen=True)
-class TestHost:
+class NetHost:
     number: int  # 1-based, as a user counts hosts
     netns: str
     addr: str
@@ -90,7 +94,7 @@ class Cluster:
         self.prefix = _free_prefix()
         self.switch = f"ddpk-sw-{token}"
         self.switch_addr = f"{self.prefix}.254"
-        self.hosts = [TestHost(i, f"ddpk-h{i}-{token}", f"{self.prefix}.{i}", f"p{i}")
+        self.hosts = [NetHost(i, f"ddpk-h{i}-{token}", f"{self.prefix}.{i}", f"p{i}")
                       for i in range(1, n + 1)]
         self._made: list[str] = []
         self._etcd: subprocess.Popen | None = None
@@ -121,11 +125,11 @@ class Cluster:
             _ip(*hn, "link", "set", "lo", "up", check=True)
 
     # ------------------------------------------------------------------ faults
-    def pids(self, host: TestHost) -> list[int]:
+    def pids(self, host: NetHost) -> list[int]:
         out = _ip("netns", "pids", host.netns).stdout.split()
         return [int(p) for p in out if p.isdigit()]
 
-    def kill(self, host: TestHost) -> None:
+    def kill(self, host: NetHost) -> None:
         """Every process of ``host`` gets SIGKILL, as if the machine died."""
         for _ in range(20):  # a dying launcher may still fork: until none is left
             pids = self.pids(host)
@@ -136,11 +140,11 @@ class Cluster:
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
 
-    def cut(self, host: TestHost) -> None:
+    def cut(self, host: NetHost) -> None:
         """``host`` loses the network: its switch port goes down."""
         _ip("-n", self.switch, "link", "set", host.port, "down", check=True)
 
-    def reconnect(self, host: TestHost) -> None:
+    def reconnect(self, host: NetHost) -> None:
         _ip("-n", self.switch, "link", "set", host.port, "up", check=True)
 
     # ------------------------------------------------------------------ etcd
@@ -188,6 +192,19 @@ class Cluster:
 
 # ---------------------------------------------------------------------- a job on the hosts
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
+EPOCHS, STEPS_PER_EPOCH = 8, 15  # digits: 1438 training samples, global batch 96
+PAUSED_AT, CHECKPOINT = 34, 30  # every rank sleeps after step 34; a checkpoint every 10
+REGROWN_AT = 50  # the second group parks here for a host to join
+
+
+def exact_flags() -> list[str]:
+    """Exact mode's options, in one place: 12 slices serve W = 1, 2, 3, 4, 6, 12."""
+    return ["--exact", "--virtual-shards", "12"]
+
+
+JOB = [*exact_flags(), "--batch-size", "96", "--epochs", str(EPOCHS), "--seed", "7",
+       "--checkpoint-every-steps", "10", "--log-sample-ids", "--no-progress"]
+PARK = {"DDPKIT_TEST_SLEEP_AT_STEP": f"{PAUSED_AT}:*:120"}
 C10D_PORT = 29400  # inside the first host's own namespace: nothing else listens there
 
 
@@ -215,9 +232,9 @@ class ElasticJob:
                      "--nproc-per-node", "1", "--max-restarts", str(max_restarts),
                      "--rdzv-backend", backend, "--rdzv-endpoint", self.endpoint,
                      "--rdzv-id", f"job-{cluster.prefix}", "--run-dir", str(run_dir)]
-        self.procs: list[tuple[TestHost, subprocess.Popen, Path]] = []
+        self.procs: list[tuple[NetHost, subprocess.Popen, Path]] = []
 
-    def start(self, host: TestHost, **env: str) -> subprocess.Popen:
+    def start(self, host: NetHost, **env: str) -> subprocess.Popen:
         log = self.cluster.workdir / f"host{host.number}-{len(self.procs)}.log"
         with log.open("w") as sink:
             proc = subprocess.Popen(
@@ -228,14 +245,14 @@ class ElasticJob:
         self.procs.append((host, proc, log))
         return proc
 
-    def last(self, host: TestHost) -> tuple[subprocess.Popen, Path]:
+    def last(self, host: NetHost) -> tuple[subprocess.Popen, Path]:
         _, proc, log = [p for p in self.procs if p[0] == host][-1]
         return proc, log
 
-    def log(self, host: TestHost) -> str:
+    def log(self, host: NetHost) -> str:
         return self.last(host)[1].read_text(errors="replace")
 
-    def wait(self, host: TestHost, timeout: float) -> int:
+    def wait(self, host: NetHost, timeout: float) -> int:
         proc, _ = self.last(host)
         try:
             return proc.wait(timeout)
@@ -272,3 +289,29 @@ def wait_until(what: str, predicate, timeout: float, job: ElasticJob | None = No
             raise AssertionError(f"{what}: not within {timeout:g} s\n{logs}")
         time.sleep(0.05)
     return time.monotonic()
+
+
+def assert_same_weights(run: Path, reference: Path) -> None:
+    got = torch.load(run / "model.pt", weights_only=True)
+    want = torch.load(reference / "model.pt", weights_only=True)
+    assert got.keys() == want.keys()
+    differ = [key for key in want if not torch.equal(got[key], want[key])]
+    assert not differ, f"final weights differ from the uninterrupted run in {differ}"
+
+
+def assert_every_step_once(run: Path, reference: Path) -> None:
+    """Each step of the run trained on the reference's global batch (whatever ranks held
+    it), each (step, rank) once: no step trained twice into the weights or skipped."""
+    def by_step(path: Path) -> dict[int, list[int]]:
+        records = read_sample_logs(path)
+        keys = collections.Counter((r["step"], r["rank"]) for r in records)
+        twice = [key for key, n in keys.items() if n > 1]
+        assert not twice, f"(step, rank) logged twice: {twice[:5]}"
+        steps: dict[int, list[int]] = collections.defaultdict(list)
+        for r in records:
+            steps[r["step"]] += r["ids"]
+        return {step: sorted(ids) for step, ids in steps.items()}
+
+    mine = by_step(run)
+    assert sorted(mine) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1))
+    assert mine == by_step(reference)

@@ -63,6 +63,7 @@ class LaunchOptions:
     rdzv_endpoint: str | None = None
     rdzv_id: str = "ddpkit"
     rdzv_backend: str = "c10d"  # or "etcd-v2": --rdzv-endpoint is then the etcd server
+    rdzv_conf: str = ""  # torchrun's --rdzv-conf KEY=VALUE,...
     max_restarts: int = 0
     monitor_interval: float = 0.1  # torchrun's own default
     module: bool = False
@@ -150,6 +151,7 @@ def torchrun_argv(opts: LaunchOptions, nproc: int) -> list[str]:
         if opts.rdzv_timeout is not None:
             seconds = max(1, round(opts.rdzv_timeout))
             conf += [f"read_timeout={seconds}", f"join_timeout={seconds}"]
+        conf += [opts.rdzv_conf] if opts.rdzv_conf else []
         if conf:
             argv += ["--rdzv-conf", ",".join(conf)]
         local_addr = opts.local_addr or (host if is_host else route_to(host)[0])

@@ -149,7 +149,7 @@ class Membership:
     def wait_for_change(self) -> bool:
         """Whether the hosts change within one detection time (a member lost or a host
         waiting): then workers that failed or stopped did so because of it."""
-        deadline = time.monotonic() + self.dead_after + 2 * self.interval
+        deadline = time.monotonic() + self.dead_after + 3 * self.interval + 1
         while time.monotonic() < deadline:
             if self.handler.num_nodes_waiting() > 0:
                 return True
