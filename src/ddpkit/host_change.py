@@ -31,7 +31,9 @@ from ddpkit.writer_fence import generation
 STEP_NOTE_ENV = "DDPKIT_STEP_NOTE"  # path of this host's step note (set by the launcher)
 CHANGE_ENV = "DDPKIT_HOSTS_CHANGE"  # JSON: lost, joined, hosts, after_step
 RUNNING, FINISHED, STOPPED = 0, 1, 2
-EXIT_PEER_LOST = 1  # a worker whose peer was lost: its launcher says what happened
+# A worker whose peer was lost (EX_PROTOCOL): its launcher says what happened, and waits
+# for the change of hosts instead of counting a failure.
+EXIT_PEER_LOST = 76
 _NOTE = struct.Struct("<qq")  # (step, status)
 # How a collective says that the process at the other end is gone (gloo, ddpkit's watchdog).
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",

@@ -16,9 +16,12 @@ out (:class:`Membership`, beside torch's handler):
 * **A host that loses contact stops its workers** (:class:`ddpkit.host_lease.Lease`)
   before the others continue without it, and its launcher ends with one line.
 * **Workers that failed or stopped because a peer was lost** are not a failure of
-  their own (:class:`ElasticAgent`): the agent waits up to one detection time for the
-  change to show, then meets the others again, without using up a restart; workers
-  whose job had finished (the step note says so) end the host's part successfully.
+  their own (:class:`ElasticAgent`): when every failed worker only lost a peer
+  (``host_change.EXIT_PEER_LOST``) or was killed, or the workers stopped at a step with a
+  checkpoint, the agent waits up to one detection time for the change to show, then
+  meets the others again, without using up a restart. A worker's own error is
+  torchrun's usual failure at once. Workers whose job had finished (the step note says
+  so) end the host's part successfully.
 * **The exit barrier** waits for the members still alive, not for all of them (torch's
   waits up to 300 s for a host that died after the last step).
 * **Generations.** Each group of workers is told its round (``writer_fence``), the
@@ -49,7 +52,14 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
 from ddpkit.errors import DdpkitError
-from ddpkit.host_change import CHANGE_ENV, FINISHED, STEP_NOTE_ENV, STOPPED, read_note
+from ddpkit.host_change import (
+    CHANGE_ENV,
+    EXIT_PEER_LOST,
+    FINISHED,
+    STEP_NOTE_ENV,
+    STOPPED,
+    read_note,
+)
 from ddpkit.host_lease import Lease
 from ddpkit.launcher_link import child_pids
 from ddpkit.log import get_logger
@@ -290,9 +300,13 @@ class ElasticAgent(LocalElasticAgent):
             # The job is done; a peer that died since may have failed the goodbye.
             return result if result.state == WorkerState.SUCCEEDED else RunResult(
                 state=WorkerState.SUCCEEDED)
-        stopped = note is not None and note[1] == STOPPED
-        if result.state == WorkerState.SUCCEEDED and not stopped:
-            return result
+        if result.state == WorkerState.SUCCEEDED:
+            if note is None or note[1] != STOPPED:
+                return result
+        elif not all(f.exitcode in (EXIT_PEER_LOST, -signal.SIGKILL)
+                     for f in result.failures.values()):
+            return result  # a worker's own error: torchrun's restart, at once
+        # Stopped, lost a peer or killed: most likely a change of hosts on its way.
         if m.wait_for_change():  # the loop's num_nodes_waiting now restarts the group
             return RunResult(state=WorkerState.HEALTHY)
         return result
