@@ -20,7 +20,7 @@ the loss (or the new host's start) to the change line (workers resumed) and to t
 first step trained after it, or to the survivors' exit.
 
 Run as root with etcd-server installed, under the shared lock:
-    flock /work/wt/cpu.lock .venv/bin/python benchmarks/elastic.py --repeats 5
+    flock /work/wt/cpu.lock .venv/bin/python benchmarks/elastic.py --repeats 5 --other-repeats 2
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ DEFAULT_JOB = [a for a in JOB if a not in exact_flags()]
 EXACT = ("shrink-kill", "shrink-cut", "grow", "shrink-then-grow", "etcd-first-kill",
          "etcd-first-cut")
 SCENARIOS = (*EXACT, "c10d-first-kill", "after-final", "default-shrink-kill")
+MAIN = ("shrink-kill", "shrink-cut", "grow", "shrink-then-grow")
 
 
 def _changed(job: ElasticJob, host, words: str):
@@ -176,7 +177,10 @@ def _cell(values: list[float]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="runs of shrink, grow and shrink-then-grow")
+    parser.add_argument("--other-repeats", type=int, default=2,
+                        help="runs of each other scenario")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="ddpkit-elastic-"))
@@ -184,8 +188,9 @@ def main() -> int:
                   "default": uninterrupted(base / "ref-default", DEFAULT_JOB)}
     rows = []
     for name in args.scenarios.split(","):
+        repeats = args.repeats if name in MAIN else args.other_repeats
         results = [run_scenario(name, base / f"{name}-{i}", references)
-                   for i in range(args.repeats)]
+                   for i in range(repeats)]
         for i, r in enumerate(results):
             print(f"{name} #{i + 1}: {r}", flush=True)
         ok = sum(r["ok"] for r in results)

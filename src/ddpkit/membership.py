@@ -50,6 +50,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.elastic.utils.store import store_timeout
 
 from ddpkit.errors import DdpkitError
 from ddpkit.host_change import (
@@ -99,7 +100,7 @@ class Membership:
         self.hosts_store = hosts_store
         self.interval = settings.keep_alive_interval.total_seconds()
         self.dead_after = self.interval * settings.keep_alive_max_attempt
-        # Expire before the others drop this host (see host_lease).
+        # About when the others drop this host, well before they resume (host_lease).
         self.lease = Lease(max(self.dead_after - self.interval / 2, self.interval), self._fence)
         self.members: dict = {}  # node -> rank in the round the workers run in
         self.round: int | None = None
@@ -199,16 +200,20 @@ class Membership:
         """Every live member has finished too (or EXIT_WAIT_S passed)."""
         self.lease.disarm()
         deadline = time.monotonic() + EXIT_WAIT_S
-        try:
-            store.add("ddpkit/exit", 1)
-            while store.add("ddpkit/exit", 0) + self.dead_members() < world_size:
-                if time.monotonic() > deadline:
-                    log.warning(f"left the exit barrier after {EXIT_WAIT_S:g} s without "
-                                "hearing from every host")
-                    return
-                time.sleep(0.1)
+        try:  # a store that stops answering counts as gone after the detection time
+            with store_timeout(store, self.dead_after + self.interval):
+                self._wait_at_exit(store, world_size, deadline)
         except _UNREACHABLE:  # the store's host is gone: nobody is left to wait for
             self.lost = self.lost or HostLostError("the rendezvous store is gone")
+
+    def _wait_at_exit(self, store, world_size: int, deadline: float) -> None:
+        store.add("ddpkit/exit", 1)
+        while store.add("ddpkit/exit", 0) + self.dead_members() < world_size:
+            if time.monotonic() > deadline:
+                log.warning(f"left the exit barrier after {EXIT_WAIT_S:g} s without "
+                            "hearing from every host")
+                return
+            time.sleep(0.1)
 
 
 def _exit_now(err: BaseException) -> None:
