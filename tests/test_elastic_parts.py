@@ -58,19 +58,19 @@ def test_a_checkpointer_of_a_replaced_group_refuses_to_write(tmp_path, monkeypat
 # ------------------------------------------------------------------------------ lease
 def test_a_lease_expires_once_when_contact_stops_and_not_while_it_is_renewed():
     fired: list[float] = []
-    lease = Lease(0.3, fired.append, poll=0.02)
+    lease = Lease(0.2, fired.append, poll=0.01)
     lease.arm()
-    end = time.monotonic() + 0.8
-    while time.monotonic() < end:  # contact every 0.05 s
+    end = time.monotonic() + 0.4
+    while time.monotonic() < end:  # contact every 0.03 s
         lease.renew()
-        time.sleep(0.05)
+        time.sleep(0.03)
     assert not fired
-    time.sleep(0.6)
-    assert len(fired) == 1 and fired[0] > 0.3
+    time.sleep(0.35)
+    assert len(fired) == 1 and fired[0] > 0.2
     assert lease.expired
     lease.arm()
     lease.disarm()  # work over: silence no longer matters
-    time.sleep(0.5)
+    time.sleep(0.3)
     assert len(fired) == 1
     lease.close()
 
