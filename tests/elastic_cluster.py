@@ -91,6 +91,7 @@ class Cluster:
         require_netns()
         token = secrets.token_hex(3)
         self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
         self.prefix = _free_prefix()
         self.switch = f"ddpk-sw-{token}"
         self.switch_addr = f"{self.prefix}.254"
