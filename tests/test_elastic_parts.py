@@ -3,6 +3,7 @@ step note, the change line, the rendezvous defaults and the etcd client check.""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -138,3 +139,20 @@ def test_etcd_without_its_client_is_one_line(monkeypatch):
         torchrun_args.parse(["--nnodes", "2", "--rdzv-backend", "etcd-v2",
                              "--rdzv-endpoint", "127.0.0.1:2379", SCRIPT])
 
+
+
+def test_a_launcher_step_note_is_its_own_and_dead_launchers_notes_are_removed(
+        tmp_path, monkeypatch):
+    import subprocess
+    import tempfile
+
+    from ddpkit import membership
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has any more
+    stale = tmp_path / f"ddpkit-step-note-{gone.pid}"
+    stale.write_bytes(b"x")
+    path = membership._fresh_note_path()
+    assert path == str(tmp_path / f"ddpkit-step-note-{os.getpid()}")
+    assert Path(path).read_bytes() == b"" and not stale.exists()

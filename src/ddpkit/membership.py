@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
@@ -73,6 +74,7 @@ EXIT_WAIT_S = 60.0  # the longest a finished host waits at the exit for a live p
 _UNREACHABLE = (RendezvousConnectionError, DistNetworkError, DistStoreError)
 _pending: list[BaseException] = []  # raised in the main thread by the fence signal
 _timers: list[threading.Timer] = []  # the hard exits behind it
+_NOTE_PREFIX = "ddpkit-step-note-"
 
 
 class HostLostError(DdpkitError):
@@ -106,8 +108,7 @@ class Membership:
         self.round: int | None = None
         self.change_seen = False
         self.lost: HostLostError | None = None
-        fd, self.note_path = tempfile.mkstemp(prefix="ddpkit-step-note-")
-        os.close(fd)
+        self.note_path = _fresh_note_path()
         holder = handler._state_holder
         sync = holder.sync
 
@@ -214,6 +215,30 @@ class Membership:
                             "hearing from every host")
                 return
             time.sleep(0.1)
+
+
+def _fresh_note_path() -> str:
+    """This launcher's step note, named by its pid; the notes of launchers that died
+    without cleaning up (killed with their host) are removed here."""
+    directory = Path(tempfile.gettempdir())
+    for old in directory.glob(f"{_NOTE_PREFIX}*"):
+        pid = old.name[len(_NOTE_PREFIX):]
+        if pid.isdigit() and not _alive(int(pid)):
+            with contextlib.suppress(OSError):
+                old.unlink()
+    path = directory / f"{_NOTE_PREFIX}{os.getpid()}"
+    path.write_bytes(b"")
+    return str(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _exit_now(err: BaseException) -> None:
