@@ -67,6 +67,8 @@ class LaunchOptions:
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str = "ddpkit"
+    rdzv_backend: str = "c10d"  # or "etcd-v2": --rdzv-endpoint is then the etcd server
+    rdzv_conf: str = ""  # torchrun's --rdzv-conf KEY=VALUE,...
     max_restarts: int = 0
     monitor_interval: float = 0.1  # torchrun's own default
     module: bool = False
@@ -149,15 +151,17 @@ def torchrun_argv(opts: LaunchOptions, nproc: int) -> list[str]:
         argv.append("--standalone")
     else:
         host, _ = split_endpoint(opts.rdzv_endpoint)
-        argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", opts.rdzv_endpoint,
+        argv += ["--rdzv-backend", opts.rdzv_backend, "--rdzv-endpoint", opts.rdzv_endpoint,
                  "--rdzv-id", opts.rdzv_id]
         if opts.node_rank is not None:
             argv += ["--node-rank", str(opts.node_rank)]
-        is_host = host in local_addresses() if opts.node_rank is None else opts.node_rank == 0
+        is_host = opts.rdzv_backend == "c10d" and (
+            host in local_addresses() if opts.node_rank is None else opts.node_rank == 0)
         conf = ["is_host=1"] if is_host else []
         if opts.rdzv_timeout is not None:
             seconds = max(1, round(opts.rdzv_timeout))
             conf += [f"read_timeout={seconds}", f"join_timeout={seconds}"]
+        conf += [opts.rdzv_conf] if opts.rdzv_conf else []
         if conf:
             argv += ["--rdzv-conf", ",".join(conf)]
         local_addr = opts.local_addr or (host if is_host else route_to(host)[0])
@@ -251,7 +255,7 @@ def launch_argv(argv: Sequence[str],
         RendezvousTimeoutError,
     )
 
-    from ddpkit import torchrun_args
+    from ddpkit import membership, torchrun_args
 
     args = torchrun_args.parse(list(argv))
     run_through_script_runner(args, torchrun.get_use_env(args))
@@ -268,8 +272,12 @@ def launch_argv(argv: Sequence[str],
         with progress_console(rank0) as console, \
                 contextlib.redirect_stdout(console.proxy(sys.stdout)), \
                 contextlib.redirect_stderr(console.proxy(sys.stderr)), \
-                linked_workers(_stop_the_agent) as final, continue_stopped_children():
+                linked_workers(_stop_the_agent) as final, continue_stopped_children(), \
+                membership.elastic_agent():
             torchrun.run(args)  # the real agent; it also turns --standalone into a free port
+    except membership.HostLostError as err:
+        print(f"ddpkit launch: {err}", file=sys.stderr, flush=True)
+        return membership.EXIT_HOST_LOST
     except (RendezvousConnectionError, DistNetworkError, DistStoreError) as err:
         cause = err.__cause__ or err.__context__ or err
         where = args.rdzv_endpoint or f"{args.master_addr}:{args.master_port}"
@@ -330,8 +338,9 @@ def prepare_network(args, timeout_flag: str) -> None:
         loopback = route_to("127.0.0.1")[1]
         if loopback:
             os.environ["GLOO_SOCKET_IFNAME"] = loopback
-    wait_for_first_node(args, timeout_flag)
-    if args.max_restarts > 0 and args.rdzv_backend not in (rendezvous.C10D, rendezvous.STATIC):
+    rendezvous.wait_for_first_node(args, timeout_flag)
+    if args.max_restarts > 0 and args.rdzv_backend not in (*rendezvous.ELASTIC,
+                                                            rendezvous.STATIC):
         # torchrun's agent keeps one store server for every attempt, and a restarted rank
         # can read its dead predecessor's gloo/NCCL address from it ("Connection refused"
         # in connectFullMesh; pytorch/pytorch#135712). Without sharing, rank 0 of each
@@ -345,28 +354,6 @@ def _first_line(err: BaseException) -> str:
     if not text:
         return type(err).__name__
     return re.sub(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*", "", text.splitlines()[0])
-
-
-def wait_for_first_node(args, timeout_flag: str) -> None:
-    """On a node that joins another node's store: wait until it answers, or one line."""
-    from torch.distributed.elastic.rendezvous.utils import (
-        _parse_rendezvous_config,
-        parse_rendezvous_endpoint,
-    )
-
-    conf = _parse_rendezvous_config(args.rdzv_conf)
-    if args.rdzv_backend == rendezvous.C10D:
-        joins = str(conf.get("is_host", "")).lower() not in ("1", "true", "yes", "y")
-        timeout = float(conf.get("read_timeout", 60))
-    elif args.rdzv_backend == rendezvous.STATIC:
-        joins = int(conf.get("rank", 0)) != 0
-        timeout = float(conf.get("timeout", 600))  # torch's static store timeout
-        timeout_flag = "--rdzv-conf timeout=SECONDS"
-    else:
-        return
-    if joins:
-        host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, rendezvous.DEFAULT_PORT)
-        rendezvous.wait_for_endpoint(host, port, timeout, f"({timeout_flag} sets the wait)")
 
 
 def _stop_the_agent() -> BaseException:
@@ -408,7 +395,11 @@ def choose_network(args, multi_node: bool) -> None:
             args.local_addr = host if is_host else route_to(host)[0]
     elif args.rdzv_backend == "static" and multi_node:
         host = parse_rendezvous_endpoint(args.rdzv_endpoint or args.master_addr, 0)[0]
-    else:  # one node, or another backend (etcd, ...) whose endpoint is not a job's node
+    elif args.rdzv_backend == "etcd-v2" and multi_node and args.rdzv_endpoint:
+        # etcd is on no node of the job; the route toward it names this node's address.
+        host = parse_rendezvous_endpoint(args.rdzv_endpoint, 2379)[0]
+        args.local_addr = args.local_addr or route_to(host)[0]
+    else:  # one node, or another backend (torch's older etcd) left as it is
         return
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         # gloo binds to the address of this host's name, often 127.0.0.1: peers on other

@@ -36,7 +36,13 @@ from datetime import timedelta
 from ddpkit.errors import ConfigError
 
 C10D = "ddpkit-c10d"  # torch's c10d rendezvous, stores bound as above
+ETCD = "ddpkit-etcd-v2"  # torch's etcd-v2 rendezvous, workers' store bound as above
 STATIC = "ddpkit-static"  # torch's static rendezvous, store bound as above
+ELASTIC = (C10D, ETCD)  # the dynamic ones: hosts may come and go
+# A member silent for keep_alive_interval * keep_alive_max_attempt seconds is lost; once
+# the minimum of hosts has met, the rendezvous waits last_call_timeout for more.
+ELASTIC_DEFAULTS = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3",
+                    "last_call_timeout": "2"}
 DEFAULT_PORT = 29400  # torchrun's default c10d port
 _UNREACHABLE = (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL)
 
@@ -77,23 +83,12 @@ def listening_store(addr: str, port: int, timeout: timedelta):
                     wait_for_workers=False, timeout=timeout, master_listen_fd=sock.detach())
 
 
-def _create_c10d_handler(params):
-    from torch.distributed import TCPStore
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-        C10dRendezvousBackend,
-    )
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-        DynamicRendezvousHandler,
-        create_handler,
-    )
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+def _bound_handler_class(backend: str, multi_node: bool, timeout: timedelta):
+    """ddpkit's elastic handler (``ddpkit.membership``) whose workers' store listens on
+    one address and is new for every round."""
+    from ddpkit.membership import ElasticHandler
 
-    multi_node = params.max_nodes > 1
-
-    class BoundHandler(DynamicRendezvousHandler):
-        """torch's handler; only the workers' store listens on one address, and is new
-        for every round."""
-
+    class BoundHandler(ElasticHandler):
         def _create_tcp_store_server(self, master_addr, master_port):
             return listening_store(bind_address(master_addr, multi_node), master_port,
                                    timeout)
@@ -104,17 +99,52 @@ def _create_c10d_handler(params):
             return super().next_rendezvous()
 
         def get_backend(self) -> str:
-            return C10D
+            return backend
+
+    return BoundHandler
+
+
+def _elastic(handler, params, backend: str, hosts_store: bool):
+    """The handler torch's factory built, as ddpkit's; with the liveness of
+    ``ddpkit.membership`` when the job may span several hosts."""
+    from ddpkit.membership import adopt
+
+    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
+    multi_node = params.max_nodes > 1
+    handler.__class__ = _bound_handler_class(params.backend, multi_node, timeout)
+    if multi_node:
+        adopt(handler, backend, params.endpoint, hosts_store)
+    return handler
+
+
+def _create_c10d_handler(params):
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
-    if params.get_as_bool("is_host", False):
-        store = listening_store(bind_address(host, multi_node), port, timeout)
+    is_host = params.get_as_bool("is_host", False)
+    if is_host:
+        store = listening_store(bind_address(host, params.max_nodes > 1), port, timeout)
     else:
         store = TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
     handler = create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
-    handler.__class__ = BoundHandler  # built by torch's factory from the same parameters
-    return handler
+    return _elastic(handler, params, "c10d", hosts_store=is_host)
+
+
+def _create_etcd_handler(params):
+    """torch's etcd-v2 rendezvous (state and agents' store in etcd, python-etcd client):
+    no host of the job holds them, so any host may be lost."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
+
+    backend, store = create_backend(params)
+    handler = create_handler(store, backend, params)
+    return _elastic(handler, params, "etcd-v2", hosts_store=False)
 
 
 def _create_static_handler(params):
@@ -138,6 +168,7 @@ def register() -> None:
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
 
     registry.register(C10D, _create_c10d_handler)  # the same creator again is a no-op
+    registry.register(ETCD, _create_etcd_handler)
     registry.register(STATIC, _create_static_handler)
 
 
@@ -147,8 +178,10 @@ def _with_conf(conf: str, item: str) -> str:
 
 def use_bound_rendezvous(args, max_nodes: int) -> None:
     """Point torchrun's parsed command line at the bound handlers, where it asked for
-    torch's c10d or static rendezvous (or for neither: a single node on a free port);
-    other backends (etcd, ...) are left as they are. After :func:`choose_network`."""
+    torch's c10d, etcd-v2 or static rendezvous (or for none: a single node on a free
+    port); other backends (torch's older etcd) are left as they are. A job of several
+    hosts on c10d or etcd-v2 gets ddpkit's elastic defaults where ``--rdzv-conf`` does
+    not set them. After :func:`choose_network`."""
     register()
     if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint
                            and args.master_port is None and max_nodes == 1):
@@ -168,6 +201,22 @@ def use_bound_rendezvous(args, max_nodes: int) -> None:
         args.rdzv_endpoint = args.rdzv_endpoint or f"{args.master_addr}:{port}"
         args.rdzv_conf = _with_conf(args.rdzv_conf, f"rank={args.node_rank}")
         args.rdzv_backend, args.node_rank = STATIC, 0  # node_rank now travels in the conf
+    elif args.rdzv_backend == "etcd-v2":
+        args.rdzv_backend = ETCD
+    if args.rdzv_backend in ELASTIC and max_nodes > 1:
+        args.rdzv_conf = elastic_conf(args.rdzv_conf)
+
+
+def elastic_conf(conf: str) -> str:
+    """``--rdzv-conf`` with ddpkit's detection defaults for what it leaves unset
+    (:data:`ELASTIC_DEFAULTS`: torch's keys, torch's meaning)."""
+    from torch.distributed.elastic.rendezvous.utils import _parse_rendezvous_config
+
+    given = _parse_rendezvous_config(conf)
+    for key, value in ELASTIC_DEFAULTS.items():
+        if key not in given:
+            conf = _with_conf(conf, f"{key}={value}")
+    return conf
 
 
 # ------------------------------------------------------------------ reaching the first node
@@ -200,3 +249,28 @@ def wait_for_endpoint(host: str, port: int, timeout: float, hint: str) -> None:
                 f"({last}): is the first node started, with this address and port? "
                 f"{hint}") from None
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+def wait_for_first_node(args, timeout_flag: str) -> None:
+    """On a node that joins another node's store: wait until it answers, or one line."""
+    from torch.distributed.elastic.rendezvous.utils import (
+        _parse_rendezvous_config,
+        parse_rendezvous_endpoint,
+    )
+
+    conf = _parse_rendezvous_config(args.rdzv_conf)
+    if args.rdzv_backend == C10D:
+        joins = str(conf.get("is_host", "")).lower() not in ("1", "true", "yes", "y")
+        timeout = float(conf.get("read_timeout", 60))
+    elif args.rdzv_backend == STATIC:
+        joins = int(conf.get("rank", 0)) != 0
+        timeout = float(conf.get("timeout", 600))  # torch's static store timeout
+        timeout_flag = "--rdzv-conf timeout=SECONDS"
+    elif args.rdzv_backend == ETCD:  # every node is etcd's client
+        joins, timeout = True, float(conf.get("read_timeout", 60))
+    else:
+        return
+    if joins:
+        default = 2379 if args.rdzv_backend == ETCD else DEFAULT_PORT
+        host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default)
+        wait_for_endpoint(host, port, timeout, f"({timeout_flag} sets the wait)")

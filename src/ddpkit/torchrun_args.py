@@ -220,6 +220,12 @@ def validate(args: argparse.Namespace) -> None:
         if not all(r.strip().isdigit() for r in ranks):
             raise ConfigError(f"--local-ranks-filter {args.local_ranks_filter!r} is not a "
                               "comma-separated list of local ranks (e.g. 0,1)")
+    if args.rdzv_backend in ("etcd", "etcd-v2"):
+        import importlib.util
+
+        if importlib.util.find_spec("etcd") is None:
+            raise ConfigError(f"--rdzv-backend {args.rdzv_backend} needs the python-etcd "
+                              "client: pip install python-etcd")
     try:
         _parse_rendezvous_config(args.rdzv_conf)
     except ValueError:

@@ -52,6 +52,7 @@ from ddpkit.durable import (
 )
 from ddpkit.errors import DdpkitError
 from ddpkit.log import get_logger
+from ddpkit.writer_fence import StaleWriterError, claim, held
 
 log = get_logger(__name__)
 
@@ -183,7 +184,8 @@ class Checkpointer:
         if _rank() == 0:
             try:
                 self._check_writable()
-            except (CheckpointError, DiskFullError) as err:
+                claim(self.dir)  # an elastic job's newest group owns the directory
+            except (CheckpointError, DiskFullError, StaleWriterError) as err:
                 outcome = _outcome(err)
         _agree(*outcome)
 
@@ -243,8 +245,9 @@ class Checkpointer:
         outcome = _outcome(None)
         if _rank() == 0:
             try:
-                self._write(state, step, reason, dict(meta or {}), shards)
-                self._rotate(keep_newest=path)
+                with held(self.dir):  # never by a group that a newer one replaced
+                    self._write(state, step, reason, dict(meta or {}), shards)
+                    self._rotate(keep_newest=path)
             except Exception as err:  # any failure must reach the other ranks, not hang them
                 outcome = _outcome(err, f"could not write checkpoint {path}: ")
         # Doubles as the tutorials' barrier: no rank goes on (or loads) before the commit.

@@ -32,10 +32,19 @@ def add_launch_options(p: argparse.ArgumentParser, restarts: bool = True) -> Non
         "--rdzv-endpoint",
         "--rdzv_endpoint",
         default=None,
-        help="HOST:PORT of the c10d rendezvous on the first node (multi-node) "
-             "(default: none, one node)",
+        help="HOST:PORT of the rendezvous (multi-node): c10d's on the first node, or "
+             "the etcd server (default: none, one node)",
     )
     g.add_argument("--rdzv-id", "--rdzv_id", default="ddpkit", help="job id shared by all nodes")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", choices=("c10d", "etcd-v2"),
+                   default="c10d",
+                   help="c10d: the rendezvous store lives on the first node, so the job "
+                        "cannot outlive it; etcd-v2: --rdzv-endpoint is an etcd server "
+                        "(v2 API, python-etcd client), any node may be lost")
+    g.add_argument("--rdzv-conf", "--rdzv_conf", default="", metavar="KEY=VALUE,...",
+                   help="torchrun's rendezvous settings, e.g. keep_alive_interval=2,"
+                        "keep_alive_max_attempt=5 (default: none; several nodes: "
+                        "docs/multinode.md gives ddpkit's detection defaults)")
     if restarts:
         g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, metavar="K",
                        help="restart all workers up to K times when one fails")
@@ -51,6 +60,8 @@ def options_from_args(args) -> LaunchOptions:
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id,
+        rdzv_backend=getattr(args, "rdzv_backend", "c10d"),
+        rdzv_conf=getattr(args, "rdzv_conf", ""),
         max_restarts=getattr(args, "max_restarts", 0),
         local_addr=args.local_addr,
     )

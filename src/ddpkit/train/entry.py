@@ -23,6 +23,7 @@ from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from ddpkit import host_change
 from ddpkit.checkpoint import CheckpointError
 from ddpkit.durable import EXIT_DISK_FULL, DiskFullError
 from ddpkit.errors import ConfigError, DdpkitError
@@ -45,7 +46,8 @@ def run_entry(command: str, body: Callable[[], int]) -> int:
     @record
     def guarded() -> int:
         try:
-            return int(body() or 0)
+            # In an elastic job a lost peer is its launcher's to report, in one line.
+            return int(host_change.quiet_if_peer_lost(body) or 0)
         except HangError as err:
             # Only this rank knows what it waited for: every rank that times out says so.
             print(f"ddpkit {command}: error: {err}", file=sys.stderr, flush=True)

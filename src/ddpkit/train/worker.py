@@ -24,10 +24,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from ddpkit import host_change
 from ddpkit.fault import EXIT_PREEMPTED
 from ddpkit.launcher_link import die_with_launcher
 from ddpkit.runtime import distributed
-from ddpkit.train import inject
+from ddpkit.train import host_report, inject
 from ddpkit.train.config import Config
 from ddpkit.train.entry import exit_process, run_entry
 from ddpkit.train.options import (
@@ -54,8 +55,9 @@ class WorkerPlan:
                  resume: bool) -> WorkerPlan:
         # torchrun's agent counts its restarts; SLURM counts requeues of the batch job.
         restarts = env.get("TORCHELASTIC_RESTART_COUNT") or env.get("SLURM_RESTART_COUNT")
+        # A later group of an elastic job continues like a restart, on a new host too.
         return cls(run_dir=Path(run_dir) if run_dir else None, resume=resume,
-                   restart_count=int(restarts or 0),
+                   restart_count=max(int(restarts or 0), host_change.group_round(env)),
                    under_agent="TORCHELASTIC_RUN_ID" in env)
 
 
@@ -68,7 +70,8 @@ def run_worker(cfg: Config, plan: WorkerPlan | None = None,
         inject.install(trainer, env or {}, plan.restart_count)
         if plan.resume or plan.restart_count > 0:
             trainer.restore(required=plan.resume)
-        trainer.fit()  # distributed() waits for every rank before tearing gloo down
+        with host_report.reporting(trainer, env or {}):  # elastic jobs: the hosts' side
+            trainer.fit()  # distributed() waits for every rank before tearing gloo down
     if trainer.preempted and not plan.under_agent:
         return EXIT_PREEMPTED
     return 0
