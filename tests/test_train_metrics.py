@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums
-from ddpkit.train.models import build_model
+from ddpkit.train.models import builtin_model
 
 N_TRAIN = 1001  # 1001 = 20 x 48 + 41: the last global batch is uneven and padded
 
@@ -85,7 +85,7 @@ def test_test_metrics_equal_a_direct_computation(one_epoch):
     assert len(test) % 3 and len(test) % 100  # uneven shards and an uneven last batch
     for world, results in one_epoch.items():
         rec, params = results[0]
-        model = build_model("mlp", test.input_shape, test.num_classes)
+        model = builtin_model("mlp", test.input_shape, test.num_classes)
         with torch.no_grad():
             for p, q in zip(model.parameters(), params, strict=True):
                 p.copy_(q)

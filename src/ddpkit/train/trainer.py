@@ -36,7 +36,6 @@ the same point:
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable
@@ -46,33 +45,28 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpkit.checkpoint import Checkpointer, CheckpointError
 from ddpkit.checkpoint.model_state import unwrap
 from ddpkit.data.datasets import ArrayDataset
-from ddpkit.data.partition import ShardBatch, ShardSampler
+from ddpkit.data.partition import ShardBatch
 from ddpkit.durable import DiskFullError, free_bytes, is_disk_full
 from ddpkit.errors import ConfigError
 from ddpkit.fault import PreemptionGuard, Watchdog
 from ddpkit.log import get_logger
 from ddpkit.loop import Run
 from ddpkit.loop.rank0 import cannot_create, decide_on_rank0
-from ddpkit.parallel import data_parallel
 from ddpkit.parallel.zero.sharded_state import state_bytes
 from ddpkit.run_lock import RunLock, held_for_us
-from ddpkit.slice_count import EXACT_THREADS
 from ddpkit.train import divergence, progress, recipe, report
+from ddpkit.train.build import Wrap, build_parts
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums, gather_floats
 from ddpkit.train.resume import refuse_changed_config
 from ddpkit.world import World
 
 log = get_logger(__name__)
-
-Wrap = Callable[[nn.Module, str, torch.device], nn.Module]
-
 
 @dataclass
 class LoopState:
@@ -91,12 +85,6 @@ class LoopState:
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
         self.sampler = dict(state["sampler"])
         self.history = list(state["history"])
-
-
-def default_threads(world: World) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # Ranks on one host share its cores; oversubscribing them makes everyone slower.
-    return max(1, (cores or 1) // world.local_world_size)
 
 
 class Trainer:
@@ -124,46 +112,14 @@ class Trainer:
         write: bool = True,
     ):
         self.cfg, self.world = cfg, world
-        t = cfg.train
-        # Exact mode: the same intra-op threads at every layout (the engine pins them).
-        threads = t.threads or (EXACT_THREADS if t.exact else default_threads(world))
-        torch.set_num_threads(threads)
-        self.device = torch.device(world.device)
-        train_set, test_set = datasets or recipe.load_data(cfg.data)
-        self.train_set = _to_device(train_set, self.device)
-        self.test_set = _to_device(test_set, self.device)
-
-        torch.manual_seed(t.seed)  # same initial weights on every rank (and vs. 1 process)
-        module = recipe.build_model(cfg.model, train_set.input_shape,
-                                    train_set.num_classes).to(self.device)
-        # The model is already on self.device and so are the batches, so neither engine
-        # needs device_ids (torch DDP infers a single-device module's device).
-        exact = {"exact": True, "slices": cfg.slice_count()} if t.exact else {}
-        self.model = (wrap(module, t.engine, self.device) if wrap is not None
-                      else data_parallel(module, engine=t.engine, comm=t.comm, **exact,
-                                         **({} if t.shard == "none" else {"shard": t.shard})))
-        torch.set_num_threads(threads)  # what the run asked for, also in exact mode
-        # What actually runs: a custom ``wrap`` may not use the engine requested.
-        self.engine = "torch" if type(self.model).__module__.startswith("torch.") else t.engine
-        # Dropout masks should differ between ranks but still follow from the seed. (In
-        # exact mode they follow the slice; nothing random is left per rank.)
-        torch.manual_seed(t.seed + 1 + (0 if t.exact else world.rank))
-        # Sharded: the optimizer holds this rank's pieces of the weights (and their state).
-        self.sharded = getattr(self.model, "shard", "none") != "none"
-        self.optimizer = recipe.build_optimizer(
-            (self.model if self.sharded else unwrap(self.model)).parameters(), cfg.optim)
+        self.parts = parts = build_parts(cfg, world, datasets=datasets, wrap=wrap)
+        self.device = parts.device
+        self.train_set, self.test_set = parts.train_set, parts.test_set
+        self.model, self.engine, self.sharded = parts.model, parts.engine, parts.sharded
+        self.optimizer, self.precision = parts.optimizer, parts.precision
+        self.sampler, self.test_sampler = parts.sampler, parts.test_sampler
+        self.total_steps = parts.total_steps
         self.rank_peak_rss_mib: list[float] = []  # every rank's, as of the last epoch
-        self.precision = recipe.Precision(t.precision, self.device)
-        self.total_steps = t.epochs * recipe.steps_per_epoch(
-            len(train_set), t.batch_size, t.grad_accum, cfg.data.drop_last)
-        self.sampler = ShardSampler(train_set, global_batch_size=t.batch_size,
-                                    num_replicas=world.world_size, rank=world.rank,
-                                    seed=t.seed, drop_last=cfg.data.drop_last,
-                                    slices=cfg.slice_count())
-        eval_batch = math.ceil(t.eval_batch_size / world.world_size) * world.world_size
-        self.test_sampler = ShardSampler(test_set, global_batch_size=eval_batch,
-                                         num_replicas=world.world_size, rank=world.rank,
-                                         shuffle=False)
         self.loop = LoopState(sampler=self.sampler.state_dict())
         self.step_callbacks: list[Callable[[Trainer], None]] = []
         self.write = write
@@ -171,7 +127,7 @@ class Trainer:
         run_dir = self._agree_on_run(run_dir)
         self.run_dir = Path(run_dir) if write else None
 
-        c = cfg.checkpoint
+        t, c = cfg.train, cfg.checkpoint
         # The run owns checkpoints, the data position, per-rank RNG, the stop agreement,
         # the watchdog and the sample-id log; the trainer adds its loop state to it.
         self.run = Run(
@@ -389,7 +345,7 @@ class Trainer:
         mean over the global batch, as in the default mode."""
         x, y = self.train_set.batch(batch.indices)
         real = torch.arange(len(batch.indices), device=self.device) < batch.num_real
-        scale = self.cfg.slice_count() / batch.global_num_real
+        scale = self.parts.slices / batch.global_num_real
         all_losses, all_correct = [], []
         for xs, ys, real_s in self.model.slices(x, y, real):
             # A slice's real samples come first (the padding is at the batch's end).
@@ -621,9 +577,3 @@ def _gather_lists(values: list[float], device: torch.device) -> list[list[float]
     dist.all_gather(out, mine)
     return [t.tolist() for t in out]
 
-
-def _to_device(ds: ArrayDataset, device: torch.device) -> ArrayDataset:
-    if device.type == "cpu":
-        return ds
-    # Small in-memory datasets: move once, not every batch.
-    return ArrayDataset(ds.x.to(device), ds.y.to(device), ds.num_classes, ds.name)
