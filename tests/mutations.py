@@ -79,7 +79,7 @@ MUTATIONS = (
     ),
     Mutation(
         "resume-from-the-prefetched-sampler-position",
-        "ddpkit/loop/run.py",
+        "ddpkit/loop/run_checkpoints.py",
         '"position": self.run.position}',
         '"position": self.run.sampler.position}',
         ("tests/test_own_loop.py", "-k", "killed_worker"),

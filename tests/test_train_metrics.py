@@ -32,13 +32,10 @@ def test_metric_sums_reduce_exactly_with_uneven_counts(pools):
 
 
 def _config(**train):
-    cfg = Config()
-    cfg.data.name, cfg.data.synthetic_size = "synthetic", N_TRAIN
-    cfg.train.batch_size, cfg.train.epochs, cfg.train.engine = 48, 1, "torch"
-    cfg.train.eval_batch_size, cfg.train.threads = 100, 1
-    for k, v in train.items():
-        setattr(cfg.train, k, v)
-    return cfg.validate()
+    return Config.from_dict({
+        "data": {"name": "synthetic", "synthetic_size": N_TRAIN},
+        "train": {"batch_size": 48, "epochs": 1, "engine": "torch", "eval_batch_size": 100,
+                  "threads": 1, **train}})
 
 
 def _train_one_epoch(world, cfg_dict):

@@ -250,7 +250,7 @@ def run_verify_worker(cfg: Config, steps: int, dtype: str, result_file: str | No
 
 
 def verify_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddpkit.train.verify")
+    p = argparse.ArgumentParser(prog="python -m ddpkit.train.equivalence")
     add_train_options(p)
     add_verify_options(p)
     add_resolved_config(p)
