@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddpkit.bench.output import pyplot, save_figure, write_csv, write_json
+from ddpkit.bench.output import pyplot, save_figure, save_json, write_csv
 
 ALGOS = ("gloo", "comm", "comm-nocheck", "shm-copy", "shm-signed", "shm")
 DEFAULT_SIZES = "4,1K,16K,64K,256K,1M,4M,16M,32M"
@@ -192,7 +192,7 @@ def _ratios(by: dict, algo: str, base: str) -> list[float]:
 def write_outputs(rows: list[dict], out_dir: str, plot: bool = True) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "shm.json"), os.path.join(out_dir, "shm.csv")]
-    write_json(paths[0], rows, indent=1, final_newline=False)
+    save_json(paths[0], rows, indent=1, final_newline=False)
     write_csv(paths[1], rows)
     if plot:
         paths.append(_plot(rows, os.path.join(out_dir, "shm.png")))

@@ -2,11 +2,13 @@
 
 :func:`build_parts` makes, in this order, the data, the model (the same initial
 weights on every rank), the engine around it, the optimizer, the precision, the
-samplers and the step count; it decides the slice count (exact mode) and the
-intra-op thread count once. The trainer trains the parts it returns; ``ddpkit
-verify`` builds its one-process references with it (``engine=False``, a world of
-one); the launching command's pre-flight check builds the model alone with
-:func:`build_model` (no data, no torch until a check needs it).
+samplers and the step count, with the slice count (exact mode) and the intra-op
+thread count the config decides (:meth:`TrainConfig.slice_count`,
+:meth:`TrainConfig.thread_count`), each settled once here for the whole run. The
+trainer trains the parts it returns; ``ddpkit verify`` builds its one-process
+references with it (``engine=False``, a world of one); the launching command's
+pre-flight check builds the model alone with :func:`build_model` (no data, no torch
+until a check needs it).
 
 The per-step helpers (learning rate, accumulation, precision) live in
 :mod:`ddpkit.train.recipe`.
@@ -15,7 +17,6 @@ The per-step helpers (learning rate, accumulation, precision) live in
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,6 @@ from ddpkit.data.datasets import ArrayDataset, load_dataset
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
 from ddpkit.parallel import data_parallel
-from ddpkit.slice_count import EXACT_THREADS
 from ddpkit.train import recipe
 from ddpkit.train.config import Config
 from ddpkit.train.models import builtin_model
@@ -56,19 +56,6 @@ class Parts:
     device: torch.device
 
 
-def default_threads(world: World) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # Ranks on one host share its cores; oversubscribing them makes everyone slower.
-    return max(1, (cores or 1) // world.local_world_size)
-
-
-def thread_count(cfg: Config, world: World) -> int:
-    """The intra-op threads a run uses: ``--threads``, else in exact mode the same
-    count at every layout, else the host's cores shared by its ranks."""
-    t = cfg.train
-    return t.threads or (EXACT_THREADS if t.exact else default_threads(world))
-
-
 def build_parts(cfg: Config, world: World, *,
                 datasets: tuple[ArrayDataset, ArrayDataset] | None = None,
                 wrap: Wrap | None = None, engine: bool = True,
@@ -81,7 +68,7 @@ def build_parts(cfg: Config, world: World, *,
     deciding it (a reference run in the same process as the run it checks).
     """
     t = cfg.train
-    threads = thread_count(cfg, world) if threads is None else threads
+    threads = t.thread_count(world.local_world_size) if threads is None else threads
     slices = cfg.slice_count()
     device = torch.device(world.device)
     # The run's threads from the start (the data and the model are built under them).
@@ -186,6 +173,6 @@ def _to_device(ds: ArrayDataset, device: torch.device) -> ArrayDataset:
     return ArrayDataset(ds.x.to(device), ds.y.to(device), ds.num_classes, ds.name)
 
 
-__all__ = ["Parts", "Wrap", "build_model", "build_optimizer", "build_parts", "default_threads",
-           "load_data", "thread_count"]
+__all__ = ["Parts", "Wrap", "build_model", "build_optimizer", "build_parts",
+           "load_data"]
 

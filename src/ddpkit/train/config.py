@@ -236,6 +236,19 @@ class TrainConfig:
                        "and --slices (the same samples per step, summed exactly)")
         check_slices(self.slice_count(), self.batch_size, None)
 
+    def thread_count(self, local_processes: int) -> int:
+        """Torch intra-op threads per process, the one place they are decided:
+        ``--threads``; else in exact mode the same count at every layout; else the
+        host's cores shared by its ``local_processes`` (oversubscribing them makes
+        every rank slower)."""
+        if self.threads:
+            return self.threads
+        if self.exact:
+            return EXACT_THREADS
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count())
+        return max(1, (cores or 1) // local_processes)
+
     def slice_count(self) -> int | None:
         """Exact mode's slices per step (the default for the batch when not given);
         None in the default mode. The one place a run's slice count is decided."""
@@ -347,8 +360,7 @@ class Config:
         train: dict[str, Any] = {"seed": t.seed, "batch_size": t.batch_size,
                                  "grad_accum": t.grad_accum}
         if t.exact:
-            train.update(exact=True, slices=self.slice_count(),
-                         threads=t.threads or EXACT_THREADS)
+            train.update(exact=True, slices=self.slice_count(), threads=t.thread_count(1))
         return {
             "data": {"name": d.name, "synthetic_size": d.synthetic_size,
                      "drop_last": d.drop_last},
