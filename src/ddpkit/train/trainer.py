@@ -4,8 +4,9 @@ a real run needs.
 Each epoch every rank trains on its shard of the global batches (ShardSampler), the
 engine averages gradients, then every rank evaluates its shard of the test set and the
 metric sums are reduced (see metrics.py). Rank 0 alone draws the progress bar and writes
-the run directory: ``config.json``, ``metrics.jsonl`` (one record per epoch), ``train.log``,
-``summary.json`` and ``curves.png``.
+the run directory: ``config.json``, ``metrics.jsonl`` (one record per epoch, through the
+run's metrics log), ``train.log``, ``summary.json`` and ``curves.png`` (run_outputs.py).
+The data, model, engine and optimizer come from :func:`ddpkit.train.build.build_parts`.
 
 The loss that drives backward is the sum over this rank's *real* samples scaled by
 ``world_size / real samples in the global batch``: after the engine averages over ranks
