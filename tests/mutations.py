@@ -85,6 +85,13 @@ MUTATIONS = (
         ("tests/test_own_loop.py", "-k", "killed_worker"),
     ),
     Mutation(
+        "resume-drops-the-metrics-record-of-its-own-step",
+        "ddpkit/loop/metrics_log.py",
+        'if int(r.get("step", step + 1)) <= step]',
+        'if int(r.get("step", step + 1)) < step]',
+        ("tests/test_metric_log.py",),
+    ),
+    Mutation(
         "initial-broadcast-copies-the-wrong-way",
         "ddpkit/parallel/engine/state_sync.py",
         "t.copy_(flat[offset : offset + t.numel()].view_as(t))",
