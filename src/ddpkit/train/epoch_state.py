@@ -71,28 +71,30 @@ def gather_lists(values: list[float], device: torch.device) -> list[list[float]]
     return [t.tolist() for t in out]
 
 
-def refuse_non_finite_record(self: Trainer, record: dict[str, Any]) -> None:
+def refuse_non_finite_record(trainer: Trainer, record: dict[str, Any]) -> None:
     """End the run at an epoch's end whose reduced loss is not finite (every rank sees
     the same reduced numbers, so every rank stops here)."""
     for split in ("train", "test"):
         loss = record.get(f"{split}_loss")
         if record.get(f"{split}_samples") and divergence.first_bad([loss]) is not None:
-            raise _diverged(self, f"the {split} loss is {loss}")
+            raise _diverged(trainer, f"the {split} loss is {loss}")
 
-def refuse_non_finite_state(self: Trainer, rank_sums: list[list[float]]) -> None:
+
+def refuse_non_finite_state(trainer: Trainer, rank_sums: list[list[float]]) -> None:
     """Before a checkpoint: every rank's running sums of this epoch (``rank_sums``,
     the same list on every rank) and the weights (equal on every rank) must be finite,
     or the run ends without writing it."""
     for rank, sums in enumerate(rank_sums):
         bad = divergence.first_bad(sums[:1])
         if bad is not None:
-            raise _diverged(self, f"the training loss on rank {rank} is {bad}")
-    if self.sharded:  # every rank's updated shards into the module (collective)
-        self.model.gather_parameters()
-    if not divergence.weights_finite(unwrap(self.model).parameters()):
-        raise _diverged(self, "the weights are no longer finite")
+            raise _diverged(trainer, f"the training loss on rank {rank} is {bad}")
+    if trainer.sharded:  # every rank's updated shards into the module (collective)
+        trainer.model.gather_parameters()
+    if not divergence.weights_finite(unwrap(trainer.model).parameters()):
+        raise _diverged(trainer, "the weights are no longer finite")
 
-def _diverged(self: Trainer, what: str) -> divergence.DivergedError:
-    last = self.checkpointer.checkpoints() if self.checkpointer is not None else []
-    return divergence.diverged(what, self.run.step, self.history.epochs + 1,
-                               str(last[-1].path) if last else None, self.cfg.optim.lr)
+
+def _diverged(trainer: Trainer, what: str) -> divergence.DivergedError:
+    last = trainer.checkpointer.checkpoints() if trainer.checkpointer is not None else []
+    return divergence.diverged(what, trainer.run.step, trainer.history.epochs + 1,
+                               str(last[-1].path) if last else None, trainer.cfg.optim.lr)
