@@ -109,7 +109,7 @@ class Trainer:
 
         t, c = cfg.train, cfg.checkpoint
         # The run owns checkpoints, the data position, per-rank RNG, the stop agreement,
-        # the watchdog and the sample-id log; the trainer adds its loop state to it.
+        # the watchdog and the logs; the trainer adds its epoch records and sums to it.
         self.run = Run(
             self.run_dir, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
             every_steps=c.every_steps, every_seconds=c.every_seconds, keep=c.keep,
