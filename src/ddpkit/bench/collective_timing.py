@@ -250,7 +250,7 @@ def run_rank(world, cfg: BenchConfig) -> list[dict] | None:
 # -- the parent: spawn, report, write files ------------------------------------------
 
 
-def validate(cfg: BenchConfig) -> None:
+def check_config(cfg: BenchConfig) -> None:
     from ddpkit.comm import registry
 
     if cfg.op not in OPS:
@@ -274,7 +274,7 @@ def validate(cfg: BenchConfig) -> None:
 def run(cfg: BenchConfig) -> BenchResult:
     from ddpkit.spawn import spawn
 
-    validate(cfg)
+    check_config(cfg)
     started = time.time()
     per_rank = spawn(run_rank, cfg.nproc, args=(cfg,))
     rows = [Row(**r) for r in per_rank[0]]
@@ -289,7 +289,7 @@ def run(cfg: BenchConfig) -> BenchResult:
     return BenchResult(cfg, rows, meta)
 
 
-def format_table(result: BenchResult) -> str:
+def collectives_table(result: BenchResult) -> str:
     cfg = result.config
     algos = list(cfg.algos)
     baseline = "backend" if "backend" in algos and len(algos) > 1 else None

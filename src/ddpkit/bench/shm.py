@@ -139,7 +139,7 @@ def run_rank(world, cfg: Config) -> list[dict]:
     return rows
 
 
-def format_table(rows: list[dict], nprocs: int) -> str:
+def shm_table(rows: list[dict], nprocs: int) -> str:
     lines = [f"all_reduce float32, {nprocs} ranks, median time per call (slowest rank)",
              f"{'size':>6} {'algo':>12} {'time_us':>10} {'busbw GB/s':>11} {'x gloo':>7}"]
     for r in rows:

@@ -21,7 +21,7 @@ from ddpkit.host_change import (
     STEP_NOTE_ENV,
     STOPPED,
     StepNote,
-    describe,
+    change_line,
     group_round,
 )
 from ddpkit.loop.inject import SLEEP, step_hooks
@@ -38,7 +38,7 @@ def reporting(trainer: Trainer, env: Mapping[str, str]) -> Iterator[None]:
     local_rank0 = env.get("LOCAL_RANK", "0") == "0"
     change = env.get(CHANGE_ENV)
     if change and local_rank0:
-        line = describe(json.loads(change), trainer.run.step)
+        line = change_line(json.loads(change), trainer.run.step)
         print(f"ddpkit train: {line}", file=sys.stderr, flush=True)
     _park_this_round(trainer, env)
     path = env.get(STEP_NOTE_ENV)
