@@ -158,7 +158,7 @@ def test_shm_bench_rows_and_verdicts(pools):
     assert {(r["algo"], r["bytes"]) for r in rows} == {
         (a, s) for a in shm_bench.ALGOS for s in (1024, 100_000)}
     assert all(r["time_us"] > 0 for r in rows)
-    table = shm_bench.collectives_table(rows, 2)
+    table = shm_bench.shm_table(rows, 2)
     assert "in-band check cost (shm-signed vs shm-copy): worst" in table
     assert "spread between identical runs" in table
     assert "default check cost" not in table
