@@ -57,12 +57,11 @@ def worker(world, batch_size: int, epochs: int) -> dict:
 
     ExactMean.mean = measured
     cfg = Config.from_dict({"train": {"batch_size": batch_size, "exact": True,
-                                      "epochs": epochs, "progress": False}}).validate()
+                                      "epochs": epochs, "progress": False}})
     trainer = Trainer(cfg, world, write=False)
     for _ in range(epochs):
-        trainer.train_epoch()
-        trainer.loop.epoch += 1
-    return {"steps": trainer.loop.step, "slices": cfg.slice_count(),
+        trainer.train_epoch()  # the epoch the run is in, then the next
+    return {"steps": trainer.run.step, "slices": cfg.slice_count(),
             "worst": worst}
 
 

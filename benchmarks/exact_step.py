@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddpkit
-from ddpkit.bench.output import write_json
+from ddpkit.bench.output import save_json
 from ddpkit.host_malloc import worker_malloc_env
 from ddpkit.parallel.exact.exact_sum import ExactMean
 from ddpkit.parallel.exact.exact_transport import ExactTransport
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
               "loadavg_after": load_after}
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        print(f"\nwrote {write_json(args.json, report, indent=2, final_newline=True)}")
+        print(f"\nwrote {save_json(args.json, report, indent=2, final_newline=True)}")
     return 0
 
 

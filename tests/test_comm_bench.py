@@ -89,7 +89,7 @@ def test_sweep_on_three_ranks_other_collective(pools):
     for row in rows:
         assert row["nranks"] == 3 and row["elements"] % 3 == 0
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 / 3)
-    table = bench.format_table(bench.BenchResult(cfg, [bench.Row(**r) for r in rows]))
+    table = bench.collectives_table(bench.BenchResult(cfg, [bench.Row(**r) for r in rows]))
     assert "ring/backend" in table and "busbw factor 0.667" in table
 
 
@@ -158,7 +158,7 @@ def test_shm_bench_rows_and_verdicts(pools):
     assert {(r["algo"], r["bytes"]) for r in rows} == {
         (a, s) for a in shm_bench.ALGOS for s in (1024, 100_000)}
     assert all(r["time_us"] > 0 for r in rows)
-    table = shm_bench.format_table(rows, 2)
+    table = shm_bench.shm_table(rows, 2)
     assert "in-band check cost (shm-signed vs shm-copy): worst" in table
     assert "spread between identical runs" in table
     assert "default check cost" not in table

@@ -46,7 +46,7 @@ def _trainer_params(world, cfg_dict, run_dir=None, stop_at=None, restore=False):
                           write=run_dir is not None)
         if stop_at is not None and world.rank == 0:
             trainer.step_callbacks.append(
-                lambda t: t.preemption.request() if t.loop.step == stop_at else None)
+                lambda t: t.preemption.request() if t.run.step == stop_at else None)
         if restore:
             trainer.restore(required=True)
         trainer.fit()
@@ -54,7 +54,7 @@ def _trainer_params(world, cfg_dict, run_dir=None, stop_at=None, restore=False):
         logger.removeHandler(handler)
         logger.setLevel(level)
     return {"params": [p.detach().clone() for p in unwrap(trainer.model).parameters()],
-            "step": trainer.loop.step, "preempted": trainer.preempted, "log": lines}
+            "step": trainer.run.step, "preempted": trainer.preempted, "log": lines}
 
 
 def _restoring(world, fn, *args):
@@ -278,7 +278,7 @@ def test_slices_that_skip_a_branch_give_the_same_gradients_at_every_world_size(p
 def _verify(world, cfg_dict, per_rank_seed=False):
     import ddpkit
     from ddpkit.train.config import Config
-    from ddpkit.train.verify import verify
+    from ddpkit.train.equivalence import verify
 
     def wrap(module, engine, device):  # a broken engine: each rank its own streams
         model = ddpkit.DataParallel(module, exact=True, slices=12)
