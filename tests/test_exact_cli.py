@@ -108,7 +108,7 @@ def test_sigterm_at_two_ranks_then_resume_at_three_ends_with_one_process_bits(re
     assert code == 2
     lines = [line for line in text.splitlines() if line.strip()]
     assert lines == [f"ddpkit train: error: --resume {run}: its checkpoint "
-                     "step_000000008.pt was written with other settings "
+                     "step_000000008 was written with other settings "
                      "(train.slices: 12 -> 6); leave those options out to resume, "
                      "or start a new run"], text
 

@@ -200,7 +200,7 @@ def test_preempted_job_is_requeued_and_ends_like_one_uninterrupted_node(
                              start_new_session=True)
     try:
         deadline = time.monotonic() + NODE_TIMEOUT_S
-        while not list(out.glob("*/checkpoints/step_000000004.json")):
+        while not list(out.glob("*/checkpoints/step_000000004/manifest.json")):
             assert time.monotonic() < deadline and batch.poll() is None, "no checkpoint appeared"
             time.sleep(0.1)
         batch.send_signal(signal.SIGUSR1)  # to the batch shell only, as --signal=B:USR1 does

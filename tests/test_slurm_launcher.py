@@ -325,7 +325,7 @@ def test_preempted_train_is_requeued_and_ends_like_one_uninterrupted_node(
                            start_new_session=True)
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while not list(out.glob("*/checkpoints/step_000000004.json")):
+        while not list(out.glob("*/checkpoints/step_000000004/manifest.json")):
             assert time.monotonic() < deadline and job.poll() is None, "no checkpoint appeared"
             time.sleep(0.1)
         job.send_signal(signal.SIGUSR1)  # to the batch shell only, as --signal=B:USR1 does

@@ -172,3 +172,15 @@ def _as_shards(model: Any, optimizer: torch.optim.Optimizer, saved: Mapping[str,
     common = {"format": SHARDED_FORMAT, "buckets": len(model.reducer.bucket_sizes()),
               "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}
     return common, [{"pieces": pieces, "scalars": scalars, "along": along}]
+
+
+def read_model_state(directory: str | Path, prefix: str = "model.") -> dict[str, Any]:
+    """The model's tensors of a checkpoint directory (or any DCP checkpoint), in full,
+    in this process alone (no collective): for tools that look at weights without a
+    model to load them into."""
+    md = read_metadata(directory).state_dict_metadata
+    target = {k: _empty(v, torch.device("cpu")) for k, v in md.items() if k.startswith(prefix)}
+    with single_process_quiet():
+        dcp.load(target, storage_reader=SafeReader(directory), planner=SafeLoadPlanner(),
+                 no_dist=True)
+    return {k[len(prefix):]: v for k, v in target.items()}

@@ -5,9 +5,9 @@
 
 Two tiny runs (``Run`` over a 2-layer MLP, AdamW, 64 samples, global batch 8): ``plain``
 at one process, ``zero`` at two with ``shard="optimizer"``. Each saves at step 3 and
-goes on to step 5; ``expected.pt`` holds the parameters after step 5, which a resume
-from the step-3 checkpoint must reach bit for bit. Kept by the tests for good: the
-checkpoints must go on resuming.
+goes on to step 5; ``expected.pt`` holds the parameters after step 5 (a resume of
+``plain`` from step 3 must reach them bit for bit; ``zero``'s resume is checked against
+its step-3 files). Kept by the tests for good: the checkpoints must go on resuming.
 """
 
 from __future__ import annotations
