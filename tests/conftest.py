@@ -52,6 +52,7 @@ LAYERS = {
     "test_checkpoint.py": MULTIPROCESS,
     "test_checkpoint_crash.py": MULTIPROCESS,
     "test_checkpoint_dcp.py": MULTIPROCESS,
+    "test_init_from.py": MULTIPROCESS,
     "test_clean_exit.py": MULTIPROCESS,
     "test_comm.py": MULTIPROCESS,
     "test_comm_async.py": MULTIPROCESS,
