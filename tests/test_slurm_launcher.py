@@ -337,8 +337,8 @@ def test_preempted_train_is_requeued_and_ends_like_one_uninterrupted_node(
     assert job.returncode == 128 + signal.SIGUSR1, err[-3000:]
     assert f"requeue {JOB_ID}" in log.read_text().splitlines()
     run = out / f"slurm-job-{JOB_ID}"
-    assert json.loads((run / "checkpoints" / "step_000000005.json").read_text())["reason"] \
-        == "preempted"
+    manifest = run / "checkpoints" / "step_000000005" / "manifest.json"
+    assert json.loads(manifest.read_text())["reason"] == "preempted"
 
     env["RDZV_PORT"] = str(free_port())
     proc = batch(script, {**env, "SLURM_RESTART_COUNT": "1"})  # what SLURM sets

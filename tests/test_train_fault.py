@@ -163,7 +163,7 @@ def continued(tmp_path_factory) -> dict:
     _wait_for("checkpoints/step_000000008/manifest.json", proc, run)
     proc.send_signal(signal.SIGTERM)
     seen["stopped"] = _finish(proc, timeout=90)
-    manifest = run / "checkpoints" / "step_000000009.json"
+    manifest = run / "checkpoints" / "step_000000009" / "manifest.json"
     seen["manifest"] = json.loads(manifest.read_text()) if manifest.exists() else None
     seen["summary_after_stop"] = (run / "summary.json").exists()
 
