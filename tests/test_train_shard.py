@@ -47,8 +47,8 @@ def test_sharded_run_equals_unsharded_with_half_the_optimizer_state(default_trai
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     # Each rank wrote its part (DCP), every file listed with its hash.
     assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "run.pt"]
-    assert sorted(p.name for p in checkpoint.iterdir()) == [*sorted(manifest["files"]),
-                                                           "manifest.json"]
+    assert sorted(p.name for p in checkpoint.iterdir()) == sorted([*manifest["files"],
+                                                                  "manifest.json"])
 
 
 def test_shard_with_the_torch_engine_is_one_line_exit_2(tmp_path):
