@@ -178,6 +178,12 @@ class Chaos:
             if path.is_file():
                 self.sizes[str(path.relative_to(run))] = path.stat().st_size
 
+    def checkpoint_pages(self, step: int) -> int:
+        """Pages the files of step ``step``'s checkpoint take, its manifest aside."""
+        where = f"checkpoints/step_{step:09d}/"
+        return sum(ch.pages(size) for name, size in self.sizes.items()
+                   if name.startswith(where) and not name.endswith("manifest.json"))
+
     def worker_sigkill(self, result: Result) -> None:
         """SIGKILL of a random worker at a random moment, twice, under --max-restarts."""
         run = self.work / f"kill-{uuid.uuid4().hex[:6]}"
@@ -308,13 +314,14 @@ class Chaos:
         park = {"checkpoint payload": 2 * EVERY - 3, "checkpoint manifest": 2 * EVERY - 3,
                 "metrics record": STEPS_PER_EPOCH - 1, "final weights": STEPS,
                 "final weights (--no-checkpoints)": STEPS, "summary": STEPS}.get(target)
-        # Room for the writes before the target (sizes from the uninterrupted run), in pages.
-        payload = ch.pages(self.sizes[f"checkpoints/step_{ckpt_step:09d}.pt"])
-        final = ch.pages(self.sizes[f"checkpoints/step_{STEPS:09d}.pt"]) + ch.PAGE
+        # Room for the writes before the target (sizes from the uninterrupted run), in pages:
+        # a checkpoint's files but its manifest (DCP's data and metadata, run.pt).
+        payload = self.checkpoint_pages(ckpt_step)
+        final = self.checkpoint_pages(STEPS) + ch.PAGE
         leave = {"checkpoint manifest": payload, "final weights": final,
                  "summary": final + ch.pages(self.sizes["model.pt"])}.get(target, 0)
-        expected = {"checkpoint payload": f"checkpoints/step_{ckpt_step:09d}.pt",
-                    "checkpoint manifest": f"checkpoints/step_{ckpt_step:09d}.json",
+        expected = {"checkpoint payload": f"checkpoints/step_{ckpt_step:09d}",
+                    "checkpoint manifest": f"checkpoints/step_{ckpt_step:09d}",
                     "metrics record": "metrics.jsonl", "final weights": "model.pt",
                     "final weights (--no-checkpoints)": "model.pt",
                     "summary": "summary.json", "first write": "checkpoints"}[target]
@@ -416,7 +423,7 @@ def checkpoint_steps(run: Path) -> list[int]:
     ckpt = run / "checkpoints"
     if not ckpt.is_dir():
         return []
-    return sorted(int(p.stem[5:]) for p in ckpt.glob("step_*.json"))
+    return sorted(int(p.parent.name[5:]) for p in ckpt.glob("step_*/manifest.json"))
 
 
 def steps_logged(run: Path) -> int:

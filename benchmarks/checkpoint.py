@@ -1,6 +1,10 @@
 """What checkpointing costs the main job, and how long one save / restore takes.
 
     .venv/bin/python benchmarks/checkpoint.py [--rounds 3] [--json out.json]
+    .venv/bin/python benchmarks/checkpoint.py --formats [--rounds 3]   # format 1 vs DCP
+
+``--formats``: save and load time and size of the 200M-parameter model's checkpoint in
+format 1 against DCP, side by side (``benchmarks/checkpoint_formats.py``). Without it:
 
 Runs the README's main job (digits, MLP, 20 epochs, global batch 128) on 2 gloo ranks
 (TCPStore, as under torchrun) in one ``ddpkit.spawn``, once per variant per round,
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -92,6 +97,12 @@ def _bench(world, rounds: int, directory: str):
 
 
 def main() -> None:
+    if "--formats" in sys.argv:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from checkpoint_formats import main as formats
+
+        formats([a for a in sys.argv[1:] if a != "--formats"])
+        return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the results here")

@@ -26,9 +26,17 @@ MARKER = "DDPKIT_CHAOS_RUN"
 
 
 # ---------------------------------------------------------------------- damage
+DATA = "__0_0.distcp"  # rank 0's DCP data file: a checkpoint's bulk
+
+
 def _files(ckpt: Path, step: int) -> tuple[Path, Path]:
-    payload = ckpt / f"step_{step:09d}.pt"
-    return payload, payload.with_suffix(".json")
+    """(a step's checkpoint directory, its manifest)."""
+    directory = ckpt / f"step_{step:09d}"
+    return directory, directory / "manifest.json"
+
+
+def _data(ckpt: Path, step: int, name: str = DATA) -> Path:
+    return _files(ckpt, step)[0] / name
 
 
 def _flip(path: Path) -> None:
@@ -37,10 +45,19 @@ def _flip(path: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
+def _debris(ckpt: Path, step: int) -> None:
+    """What a writer killed mid-save leaves: a hidden directory, DCP's metadata and all."""
+    debris = ckpt / f".step_{step:09d}.tmp-99999"
+    debris.mkdir()
+    (debris / ".metadata").write_bytes(b"half")
+    (debris / DATA).write_bytes(b"half")
+
+
 @dataclass(frozen=True)
 class Damage:
     """One way the newest checkpoint gets damaged, and the words that must name it
-    (a regular expression; ``{payload}``, ``{manifest}``, ``{older}`` filled in)."""
+    (a regular expression; ``{payload}`` (the step's directory), ``{manifest}``,
+    ``{older}`` filled in)."""
 
     name: str
     apply: Callable[[Path, int, int], None]  # (checkpoint dir, newest step, older step)
@@ -48,30 +65,35 @@ class Damage:
     falls_back: bool = True  # False: the newest checkpoint is still the one to use
 
 
+_FILE = r"{payload}: its file " + re.escape(DATA)
 DAMAGES = [
-    Damage("flipped byte in the payload",
-           lambda d, new, old: _flip(_files(d, new)[0]),
-           r"{payload}: sha256 mismatch: its bytes changed after it was written"),
-    Damage("payload truncated",
-           lambda d, new, old: _files(d, new)[0].write_bytes(_files(d, new)[0].read_bytes()[:-10]),
-           r"{payload}: truncated: \d+ bytes, its manifest says \d+"),
-    Damage("payload emptied",
-           lambda d, new, old: _files(d, new)[0].write_bytes(b""),
-           r"{payload}: truncated: 0 bytes, its manifest says \d+"),
-    Damage("payload deleted, manifest kept",
-           lambda d, new, old: _files(d, new)[0].unlink(),
-           r"{payload}: the payload file is missing \(its manifest {manifest} is there\)"),
-    Damage("payload replaced by garbage of its size",
-           lambda d, new, old: _files(d, new)[0].write_bytes(
-               os.urandom(_files(d, new)[0].stat().st_size)),
-           r"{payload}: sha256 mismatch"),
-    Damage("older payload copied over it",
-           lambda d, new, old: shutil.copyfile(_files(d, old)[0], _files(d, new)[0]),
-           r"{payload}: (sha256 mismatch|truncated|overwritten)"),
+    Damage("flipped byte in the DCP data",
+           lambda d, new, old: _flip(_data(d, new)),
+           _FILE + r" has a sha256 mismatch: its bytes changed after it was written"),
+    Damage("DCP data truncated",
+           lambda d, new, old: _data(d, new).write_bytes(_data(d, new).read_bytes()[:-10]),
+           _FILE + r" is truncated: \d+ bytes, its manifest says \d+"),
+    Damage("DCP data emptied",
+           lambda d, new, old: _data(d, new).write_bytes(b""),
+           _FILE + r" is truncated: 0 bytes, its manifest says \d+"),
+    Damage("DCP data deleted, manifest kept",
+           lambda d, new, old: _data(d, new).unlink(),
+           _FILE + r" is missing \(deleted or moved\)"),
+    Damage("DCP data replaced by garbage of its size",
+           lambda d, new, old: _data(d, new).write_bytes(os.urandom(_data(d, new).stat().st_size)),
+           _FILE + r" has a sha256 mismatch"),
+    Damage("older DCP data copied over it",
+           lambda d, new, old: shutil.copyfile(_data(d, old), _data(d, new)),
+           _FILE + r" (has a sha256 mismatch|is truncated|is overwritten)"),
+    Damage("DCP metadata deleted",
+           lambda d, new, old: _data(d, new, ".metadata").unlink(),
+           r"{payload}: its file \.metadata is missing"),
+    Damage("run state flipped",
+           lambda d, new, old: _flip(_data(d, new, "run.pt")),
+           r"{payload}: its file run\.pt has a sha256 mismatch"),
     Damage("manifest deleted",
            lambda d, new, old: _files(d, new)[1].unlink(),
-           r"{payload}: its manifest {manifest} is missing: the write stopped before its "
-           r"commit, or the manifest was deleted"),
+           r"{payload}: its manifest {manifest} is missing \(deleted\)"),
     Damage("manifest truncated",
            lambda d, new, old: _files(d, new)[1].write_text(_files(d, new)[1].read_text()[:40]),
            r"{payload}: its manifest {manifest} is damaged: truncated or corrupt, not valid JSON"),
@@ -82,7 +104,7 @@ DAMAGES = [
            lambda d, new, old: shutil.copyfile(_files(d, old)[1], _files(d, new)[1]),
            r"{payload}: its manifest {manifest} describes step {older}, not this file"),
     Damage("debris of an interrupted write beside it",
-           lambda d, new, old: (d / f".step_{new + 1:09d}.pt.tmp-99999").write_bytes(b"half"),
+           lambda d, new, old: _debris(d, new + 1),
            r"", falls_back=False),
 ]
 
@@ -94,9 +116,9 @@ def words_for(damage: Damage, ckpt: Path, newest: int, older: int) -> str:
 
 
 def damage_everything(ckpt: Path) -> None:
-    """Every payload of ``ckpt`` overwritten: nothing left to fall back to."""
-    for payload in ckpt.glob("step_*.pt"):
-        payload.write_bytes(b"garbage")
+    """Every checkpoint's data overwritten: nothing left to fall back to."""
+    for step_dir in ckpt.glob("step_*"):
+        (step_dir / DATA).write_bytes(b"garbage")
 
 
 # ---------------------------------------------------------------------- processes

@@ -51,6 +51,8 @@ LAYERS = {
     "test_world.py": UNIT,
     "test_checkpoint.py": MULTIPROCESS,
     "test_checkpoint_crash.py": MULTIPROCESS,
+    "test_checkpoint_dcp.py": MULTIPROCESS,
+    "test_init_from.py": MULTIPROCESS,
     "test_clean_exit.py": MULTIPROCESS,
     "test_comm.py": MULTIPROCESS,
     "test_comm_async.py": MULTIPROCESS,

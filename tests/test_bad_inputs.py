@@ -220,16 +220,16 @@ def test_resume_with_other_model_or_settings_names_them(capsys, small_run, argv,
 
 
 def test_corrupt_latest_checkpoint_falls_back_with_a_warning(run_copy, caplog):
-    newest = run_copy / "checkpoints" / "step_000000007.pt"
+    newest = run_copy / "checkpoints" / "step_000000007" / "__0_0.distcp"
     newest.write_bytes(newest.read_bytes()[:-10])  # truncated
     with caplog.at_level(logging.WARNING, logger="ddpkit"):
         info = check_resumable(run_copy, resolve({}, base=_saved_config(run_copy)))
     assert info.step == 6
-    assert "truncated" in caplog.text and "falling back to step_000000006.pt" in caplog.text
+    assert "truncated" in caplog.text and "falling back to step_000000006 (" in caplog.text
 
 
 def test_every_checkpoint_damaged_is_one_error(capsys, caplog, run_copy):
-    for payload in (run_copy / "checkpoints").glob("*.pt"):
+    for payload in (run_copy / "checkpoints").glob("step_*/__0_0.distcp"):
         payload.write_bytes(b"garbage")
     before = _snapshot(run_copy)
     with caplog.at_level(logging.WARNING, logger="ddpkit"):
@@ -280,7 +280,7 @@ def test_resume_and_run_dir_together(capsys, small_run, tmp_path):
 
 # ---------------------------------------------------------------- at run time
 def test_a_run_whose_loss_turns_non_finite_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    from ddpkit.checkpoint import Checkpointer
+    from ddpkit.checkpoint import Checkpointer, read_model_state
     from ddpkit.train.divergence import DivergedError
     from ddpkit.train.trainer import Trainer
 
@@ -288,12 +288,12 @@ def test_a_run_whose_loss_turns_non_finite_stops_and_keeps_the_last_good_checkpo
     cfg = resolve({**RUN, "epochs": 2, "checkpoint_every_steps": 2, "lr": 1e10})
     with pytest.raises(DivergedError, match=(
             r"^the training loss on rank 0 is nan at step 4 \(epoch 1\): the run diverged and "
-            r"was stopped before saving; the last good checkpoint, .*/step_000000002\.pt, is "
+            r"was stopped before saving; the last good checkpoint, .*/step_000000002, is "
             r"kept; start again with a lower --lr \(it is 1e\+10\) or with --clip-grad-norm$")):
         Trainer(cfg, World(), run_dir=run, wrap=lambda module, engine, device: module).fit()
     ckpt = Checkpointer(run / "checkpoints", create=False)
     assert [info.step for info in ckpt.checkpoints()] == [2]  # nothing saved from NaN
-    weights = ckpt.load(ckpt.latest().path)["model"]
+    weights = read_model_state(ckpt.latest().path)
     assert all(torch.isfinite(w).all() for w in weights.values())
     assert not (run / "summary.json").exists() and not (run / "model.pt").exists()
 

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -102,7 +103,7 @@ def test_full_state_round_trip_is_exact(tmp_path):
     expected_draws = (torch.rand(5), np.random.rand(5), [random.random() for _ in range(5)])
     ckpt = Checkpointer(tmp_path / "ck", keep=2)
     path = ckpt.save(state, step=3)
-    assert path.exists() and path.with_suffix(".json").exists()
+    assert path.is_dir() and (path / "manifest.json").exists()
 
     torch.manual_seed(123)
     np.random.seed(123)
@@ -131,14 +132,14 @@ def test_full_state_round_trip_is_exact(tmp_path):
     assert [random.random() for _ in range(5)] == expected_draws[2]
 
 
-def test_payload_loads_with_plain_torch_weights_only(tmp_path):
+def test_run_state_loads_with_plain_torch_weights_only(tmp_path):
     model, opt, sched = trained()
     state = collect_state(model=model, optimizer=opt, scheduler=sched, step=1,
                           config={"a": 1})
     path = Checkpointer(tmp_path).save(state, step=1)
-    plain = torch.load(path, weights_only=True)  # raises if anything needs unpickling code
-    assert set(plain["model"]) == set(model.state_dict())
-    assert "module." not in "".join(plain["model"])
+    plain = torch.load(path / "run.pt", weights_only=True)  # raises if it needs code
+    assert plain["in_dcp"] == ["model", "optimizer"] and "model" not in plain
+    assert plain["scheduler"] == sched.state_dict() and plain["step"] == 1
 
 
 def test_code_in_a_checkpoint_is_refused(tmp_path):
@@ -151,7 +152,7 @@ def test_code_in_a_checkpoint_is_refused(tmp_path):
 def test_damaged_file_loaded_directly_is_one_line(tmp_path):
     ckpt = Checkpointer(tmp_path)
     path = ckpt.save(small_state(1.0), step=1)
-    path.write_bytes(path.read_bytes()[:300])
+    (path / "run.pt").write_bytes((path / "run.pt").read_bytes()[:300])
     with pytest.raises(CheckpointError, match="damaged or not a checkpoint") as err:
         ckpt.load(path)
     assert "\n" not in str(err.value)
@@ -199,13 +200,14 @@ def test_corrupt_latest_falls_back_with_warning(tmp_path, warnings_seen):
     ckpt = Checkpointer(tmp_path)
     ckpt.save(small_state(1.0), step=1)
     path2 = ckpt.save(small_state(2.0), step=2)
-    raw = bytearray(path2.read_bytes())
+    raw = bytearray((path2 / "run.pt").read_bytes())
     raw[len(raw) // 2] ^= 0xFF  # same size, one flipped byte
-    path2.write_bytes(bytes(raw))
+    (path2 / "run.pt").write_bytes(bytes(raw))
     assert ckpt.latest().step == 1
     assert torch.equal(ckpt.load_latest()["w"], torch.full((16,), 1.0))
-    assert any("step_000000002.pt: sha256 mismatch" in w and "falling back to step_000000001.pt"
-               in w for w in warnings_seen), warnings_seen
+    assert any("step_000000002: its file run.pt has a sha256 mismatch" in w
+               and "falling back to step_000000001 (step 1)" in w
+               for w in warnings_seen), warnings_seen
 
 
 def test_truncated_and_missing_payloads_fall_back(tmp_path, warnings_seen):
@@ -213,14 +215,14 @@ def test_truncated_and_missing_payloads_fall_back(tmp_path, warnings_seen):
     for step in (1, 2, 3):
         ckpt.save(small_state(step), step=step)
     p3, p2 = ckpt.path_for(3), ckpt.path_for(2)
-    p3.write_bytes(p3.read_bytes()[:100])
-    p2.with_suffix(".json").write_text("{not json")
+    (p3 / "run.pt").write_bytes((p3 / "run.pt").read_bytes()[:100])
+    (p2 / "manifest.json").write_text("{not json")
     info = ckpt.latest()
     assert info.step == 1
-    assert any("truncated" in w for w in warnings_seen)
-    assert any("step_000000002.pt: its manifest step_000000002.json is damaged" in w
+    assert any("its file run.pt is truncated: 100 bytes" in w for w in warnings_seen)
+    assert any("step_000000002: its manifest manifest.json is damaged" in w
                for w in warnings_seen)
-    ckpt.path_for(1).unlink()
+    shutil.rmtree(ckpt.path_for(1))
     assert ckpt.latest() is None
     assert ckpt.load_latest() is None
 
@@ -235,8 +237,7 @@ def test_keep_k_rotation(tmp_path):
     for step in range(5):
         ckpt.save(small_state(step), step=step * 10)
     names = sorted(os.listdir(tmp_path))
-    assert names == ["step_000000030.json", "step_000000030.pt",
-                     "step_000000040.json", "step_000000040.pt"]
+    assert names == ["step_000000030", "step_000000040"]
     assert ckpt.latest().step == 40
     keep_all = Checkpointer(tmp_path / "all", keep=None)
     for step in range(4):
@@ -253,14 +254,14 @@ def test_keep_one_never_leaves_zero_and_resave_replaces(tmp_path):
     info = ckpt.latest()
     assert (info.step, info.reason) == (2, "preempted")
     assert torch.equal(ckpt.load_latest()["w"], torch.full((16,), 5.0))
-    manifest = json.loads(info.path.with_suffix(".json").read_text())
-    assert manifest["format"] == "ddpkit-checkpoint/1" and manifest["bytes"] == info.size
+    manifest = json.loads((info.path / "manifest.json").read_text())
+    assert manifest["format"] == "ddpkit-checkpoint/2" and manifest["bytes"] == info.size
 
 
-def test_every_file_appears_whole_by_rename_never_written_in_place(tmp_path, monkeypatch):
-    """Atomic write: the payload and the manifest (the commit point) are written under
-    hidden temporary names and renamed into place, so a reader or a crash never sees a
-    half-written file under a final name."""
+def test_every_checkpoint_appears_whole_by_rename_never_written_in_place(tmp_path, monkeypatch):
+    """Atomic write: the step's directory is written under a hidden temporary name (its
+    files too, each renamed into place) and the directory renamed to its final name last
+    (the commit), so a reader or a crash never sees a half-written checkpoint."""
     from ddpkit import durable
 
     written, renamed = [], []
@@ -278,12 +279,15 @@ def test_every_file_appears_whole_by_rename_never_written_in_place(tmp_path, mon
     # Every file of a checkpoint is written through ddpkit.durable.
     monkeypatch.setattr(durable, "open", recording_open, raising=False)
     monkeypatch.setattr(durable.os, "replace", recording_replace)
-    Checkpointer(tmp_path, keep=2).save(small_state(1.0), step=7)
+    model, opt, _ = trained()
+    Checkpointer(tmp_path, keep=2).save(collect_state(model=model, optimizer=opt, step=7), step=7)
     finals = sorted(os.listdir(tmp_path))
-    assert finals == ["step_000000007.json", "step_000000007.pt"]
+    assert finals == ["step_000000007"]
+    assert sorted(os.listdir(tmp_path / finals[0])) == [
+        ".metadata", "__0_0.distcp", "manifest.json", "run.pt"]
     assert written and all(name.startswith(".") and ".tmp-" in name for name in written), written
-    assert sorted(dst for _, dst in renamed) == finals
-    assert all(src in written for src, _ in renamed)
+    assert renamed[-1][1] == "step_000000007" and renamed[-1][0].startswith(".step_000000007.tmp-")
+    assert {dst for _, dst in renamed[:-1]} == {"run.pt", "manifest.json"}
 
 
 def test_keep_must_be_positive(tmp_path):

@@ -1,8 +1,10 @@
 """A writer SIGKILLed at any point of a save leaves the previous checkpoint chosen.
 
 Each child process commits step 1, then starts saving step 2 with one stage of the
-write made to stop and announce itself; the parent kills it there with SIGKILL (no
-cleanup code runs) and checks what a resuming job would pick.
+write (DCP's data file half written; DCP's save complete, ``.metadata`` included;
+everything written but the directory not yet renamed) made to stop and announce
+itself; the parent kills it there with SIGKILL (no cleanup code runs) and checks what
+a resuming job would pick.
 """
 
 from __future__ import annotations
@@ -15,44 +17,48 @@ import textwrap
 
 import torch
 
-from ddpkit.checkpoint import Checkpointer
+from ddpkit.checkpoint import Checkpointer, collect_state, restore_state
 
 CHILD = textwrap.dedent(
     """
     import os, sys, time
     import torch
-    import ddpkit.checkpoint.store as ck
+    import ddpkit.checkpoint.dcp_files as files
+    import ddpkit.checkpoint.step_write as step_write
+    from ddpkit.checkpoint import Checkpointer, collect_state
+
+    class Net(torch.nn.Module):
+        def __init__(self, value, n):
+            super().__init__()
+            self.w = torch.nn.ParameterList(
+                [torch.nn.Parameter(torch.full((n,), value)) for _ in range(4)])
 
     directory, stage = sys.argv[1], sys.argv[2]
-    ckpt = ck.Checkpointer(directory, keep=2)
-    ckpt.save({"w": torch.full((8,), 1.0)}, step=1)
+    ckpt = Checkpointer(directory, keep=2)
+    ckpt.save(collect_state(model=Net(1.0, 8), step=1), step=1)
 
-    def stop_here():
+    def stop_here(*args, **kwargs):
         print("STOPPED", flush=True)
         time.sleep(120)  # the parent SIGKILLs us now
 
-    if stage == "mid-payload":  # part of the payload is in the temporary file
-        # Replaced where Checkpointer._write looks it up: the checkpoint.store module.
-        class StoppingWriter(ck._HashingWriter):
+    if stage == "mid-dcp-data":  # part of DCP's data file is written
+        class StoppingStream(files._HashingStream):
             def write(self, data):
                 if self.size > 1 << 20:
                     self._f.flush()
                     stop_here()
                 return super().write(data)
-        ck._HashingWriter = StoppingWriter
-    elif stage == "before-rename":  # payload complete and fsynced, not yet renamed
-        real_replace = os.replace
-        def replace(src, dst):
-            stop_here()
-        os.replace = replace
-    elif stage == "before-manifest":  # payload renamed into place, no manifest yet
-        ck.Checkpointer._write_small = lambda self, path, data: stop_here()
-    ckpt.save({f"w{i}": torch.full((1 << 20,), 2.0) for i in range(4)}, step=2)  # 16 MiB
+        files._HashingStream = StoppingStream
+    elif stage == "after-dcp-metadata":  # DCP's save is complete, .metadata and all
+        step_write.atomic_file = stop_here
+    elif stage == "before-commit":  # every file and the manifest written, not renamed
+        Checkpointer._commit = stop_here
+    ckpt.save(collect_state(model=Net(2.0, 1 << 20), step=2), step=2)  # 16 MiB
     print("NOT STOPPED", flush=True)
     """
 )
 
-STAGES = ("mid-payload", "before-rename", "before-manifest")
+STAGES = ("mid-dcp-data", "after-dcp-metadata", "before-commit")
 
 
 def _start(tmp_path, stage):
@@ -87,24 +93,31 @@ def test_killed_writer_leaves_previous_checkpoint_chosen(tmp_path):
 
     for stage, (directory, _) in children.items():
         leftovers = sorted(os.listdir(directory))
-        # The kill really happened mid-save: step 2 left something behind.
-        if stage == "before-manifest":
-            assert "step_000000002.pt" in leftovers and "step_000000002.json" not in leftovers
-        else:
-            assert any(n.startswith(".step_000000002.pt.tmp-") for n in leftovers), leftovers
-            if stage == "mid-payload":
-                tmp = next(n for n in leftovers if n.startswith(".step_000000002"))
-                complete = Checkpointer(control_dir).path_for(2).stat().st_size
-                assert 0 < os.path.getsize(directory / tmp) < complete
+        # The kill really happened mid-save: step 2 left a hidden directory behind.
+        debris = [n for n in leftovers if n.startswith(".step_000000002.tmp-")]
+        assert len(debris) == 1 and "step_000000002" not in leftovers, (stage, leftovers)
+        inside = sorted(os.listdir(directory / debris[0]))
+        if stage == "mid-dcp-data":
+            data = directory / debris[0] / "__0_0.distcp"
+            complete = (Checkpointer(control_dir).path_for(2) / "__0_0.distcp").stat().st_size
+            assert 0 < data.stat().st_size < complete and ".metadata" not in inside
+        else:  # DCP alone would take this directory for whole: ddpkit never does
+            assert ".metadata" in inside, inside
+            assert ("manifest.json" in inside) == (stage == "before-commit"), inside
         ckpt = Checkpointer(directory, keep=2)
         assert ckpt.latest().step == 1, stage
-        state = ckpt.load_latest()
-        assert torch.equal(state["w"], torch.full((8,), 1.0)), stage
+        holder = Holder()
+        restore_state(ckpt.load_latest(), model=holder)
+        assert all(torch.equal(w, torch.full((8,), 1.0)) for w in holder.w), stage
 
         # The next save cleans the debris and becomes the latest.
-        ckpt.save({"w": torch.full((8,), 3.0)}, step=3)
-        assert sorted(os.listdir(directory)) == [
-            "step_000000001.json", "step_000000001.pt", "step_000000003.json", "step_000000003.pt"
-        ], stage
+        ckpt.save(collect_state(model=Holder(3.0), step=3), step=3)
+        assert sorted(os.listdir(directory)) == ["step_000000001", "step_000000003"], stage
         assert ckpt.latest().step == 3
 
+
+class Holder(torch.nn.Module):
+    def __init__(self, value: float = 0.0):
+        super().__init__()
+        self.w = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.full((8,), value)) for _ in range(4)])

@@ -162,7 +162,7 @@ def test_a_host_lost_after_the_final_checkpoint_keeps_no_survivor_waiting(cluste
     300 s; they end 0 within the detection time."""
     argv = ["--batch-size", "96", "--epochs", "2", "--seed", "7", "--no-progress"]
     job = ElasticJob(cluster, tmp_path / "run", argv)
-    final = job.run_dir / "checkpoints" / f"step_{2 * STEPS_PER_EPOCH:09d}.json"
+    final = job.run_dir / "checkpoints" / f"step_{2 * STEPS_PER_EPOCH:09d}" / "manifest.json"
     try:
         for host in cluster.hosts:
             job.start(host)

@@ -89,7 +89,7 @@ def test_sigterm_at_two_ranks_then_resume_at_three_ends_with_one_process_bits(re
     proc = _start(*JOB, "--nproc-per-node", "2", "--epochs", str(EPOCHS), "--run-dir",
                   str(run), env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:120"))
     deadline = time.monotonic() + 240
-    while not (run / "checkpoints" / "step_000000004.json").exists():
+    while not (run / "checkpoints" / "step_000000004" / "manifest.json").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
@@ -108,7 +108,7 @@ def test_sigterm_at_two_ranks_then_resume_at_three_ends_with_one_process_bits(re
     assert code == 2
     lines = [line for line in text.splitlines() if line.strip()]
     assert lines == [f"ddpkit train: error: --resume {run}: its checkpoint "
-                     "step_000000008.pt was written with other settings "
+                     "step_000000008 was written with other settings "
                      "(train.slices: 12 -> 6); leave those options out to resume, "
                      "or start a new run"], text
 

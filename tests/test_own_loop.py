@@ -140,7 +140,7 @@ def continued(tmp_path_factory) -> dict:
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
     seen["stopped"] = _finish(proc, timeout=90)
-    manifest = run / "checkpoints" / "step_000000007.json"
+    manifest = run / "checkpoints" / "step_000000007" / "manifest.json"
     seen["manifest"] = json.loads(manifest.read_text()) if manifest.exists() else None
     seen["model_after_stop"] = (run / "model.pt").exists()
 

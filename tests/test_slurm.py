@@ -200,7 +200,7 @@ def test_preempted_job_is_requeued_and_ends_like_one_uninterrupted_node(
                              start_new_session=True)
     try:
         deadline = time.monotonic() + NODE_TIMEOUT_S
-        while not list(out.glob("*/checkpoints/step_000000004.json")):
+        while not list(out.glob("*/checkpoints/step_000000004/manifest.json")):
             assert time.monotonic() < deadline and batch.poll() is None, "no checkpoint appeared"
             time.sleep(0.1)
         batch.send_signal(signal.SIGUSR1)  # to the batch shell only, as --signal=B:USR1 does
@@ -212,8 +212,8 @@ def test_preempted_job_is_requeued_and_ends_like_one_uninterrupted_node(
     assert batch.returncode == 75, err[-3000:]
     assert f"requeue {JOB_ID}" in log.read_text().splitlines()
     run = out / f"slurm-job-{JOB_ID}"
-    assert json.loads((run / "checkpoints" / "step_000000005.json").read_text())["reason"] \
-        == "preempted"
+    manifest = run / "checkpoints" / "step_000000005" / "manifest.json"
+    assert json.loads(manifest.read_text())["reason"] == "preempted"
 
     proc = sbatch_here(script, {**env, "SLURM_RESTART_COUNT": "1"})  # what SLURM sets
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -325,7 +325,7 @@ def test_preempted_train_is_requeued_and_ends_like_one_uninterrupted_node(
                            start_new_session=True)
     try:
         deadline = time.monotonic() + TIMEOUT_S
-        while not list(out.glob("*/checkpoints/step_000000004.json")):
+        while not list(out.glob("*/checkpoints/step_000000004/manifest.json")):
             assert time.monotonic() < deadline and job.poll() is None, "no checkpoint appeared"
             time.sleep(0.1)
         job.send_signal(signal.SIGUSR1)  # to the batch shell only, as --signal=B:USR1 does
@@ -337,8 +337,8 @@ def test_preempted_train_is_requeued_and_ends_like_one_uninterrupted_node(
     assert job.returncode == 128 + signal.SIGUSR1, err[-3000:]
     assert f"requeue {JOB_ID}" in log.read_text().splitlines()
     run = out / f"slurm-job-{JOB_ID}"
-    assert json.loads((run / "checkpoints" / "step_000000005.json").read_text())["reason"] \
-        == "preempted"
+    manifest = run / "checkpoints" / "step_000000005" / "manifest.json"
+    assert json.loads(manifest.read_text())["reason"] == "preempted"
 
     env["RDZV_PORT"] = str(free_port())
     proc = batch(script, {**env, "SLURM_RESTART_COUNT": "1"})  # what SLURM sets

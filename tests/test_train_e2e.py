@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ddpkit.loop.metrics_log import read_records
 from ddpkit.train.config import resolve
@@ -25,10 +26,12 @@ def test_ddpkit_train_two_processes_one_epoch(default_train_run, pools):
         "checkpoints", "config.json", "curves.png", "metrics.jsonl", "model.pt", "summary.json",
         "train.log"]
     # One checkpoint at the epoch's end, the final one, holding the final model.
-    manifest = json.loads((run_dir / "checkpoints" / "step_000000012.json").read_text())
+    checkpoint = run_dir / "checkpoints" / "step_000000012"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
     assert manifest["reason"] == "final" and manifest["world_size"] == 2
     final = torch.load(run_dir / "model.pt", weights_only=True)
-    saved = torch.load(run_dir / "checkpoints" / "step_000000012.pt", weights_only=True)
+    dcp_to_torch_save(checkpoint, run_dir / "one_file.pt")  # torch's own tool reads it
+    saved = torch.load(run_dir / "one_file.pt", weights_only=True)
     assert final.keys() == saved["model"].keys()
     assert all(torch.equal(final[k], saved["model"][k]) for k in final)
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -146,7 +146,7 @@ def continued(tmp_path_factory) -> dict:
     argv = (*JOB, "--run-dir", str(run), "--max-restarts", "2")
     proc = _start(*argv, env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:120", **{MARKER: marker}))
     try:
-        _wait_for("checkpoints/step_000000004.json", proc, run)
+        _wait_for("checkpoints/step_000000004/manifest.json", proc, run)
         while worker_pid(marker, 1) is None:  # both workers up and parked after step 5
             assert proc.poll() is None, _finish(proc)[1][-3000:]
             time.sleep(0.1)
@@ -160,10 +160,10 @@ def continued(tmp_path_factory) -> dict:
     seen["after"] = sorted(p.name for p in (run / "checkpoints").iterdir())
 
     proc = _start(*argv, env=_env(DDPKIT_TEST_SLEEP_AT_STEP="9:*:120"))
-    _wait_for("checkpoints/step_000000008.json", proc, run)
+    _wait_for("checkpoints/step_000000008/manifest.json", proc, run)
     proc.send_signal(signal.SIGTERM)
     seen["stopped"] = _finish(proc, timeout=90)
-    manifest = run / "checkpoints" / "step_000000009.json"
+    manifest = run / "checkpoints" / "step_000000009" / "manifest.json"
     seen["manifest"] = json.loads(manifest.read_text()) if manifest.exists() else None
     seen["summary_after_stop"] = (run / "summary.json").exists()
 
@@ -217,21 +217,21 @@ def test_full_disk_at_a_checkpoint_is_one_line_no_restart_and_no_debris(tmp_path
         run = disk / "run"
         proc = _start(*job, "--run-dir", str(run), "--max-restarts", "2",
                       env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:5"))
-        _wait_for("checkpoints/step_000000004.json", proc, run)
+        _wait_for("checkpoints/step_000000004/manifest.json", proc, run)
         fill(disk)  # the next write is step 8's checkpoint
         code, text = _finish(proc)
         assert code == EXIT_DISK_FULL, text[-3000:]
         errors = [line for line in text.splitlines() if "error" in line.lower()]
         assert len(errors) == 1, text[-3000:]
         assert re.search(rf"ddpkit train: error: no space left on device to write "
-                         rf"{run}/checkpoints/step_000000008\.pt: it needs [\d,]+ bytes, "
+                         rf"{run}/checkpoints/step_000000008: it needs [\d,]+ bytes, "
                          rf"[\d,]+ bytes free there; free some space there, then continue "
                          rf"the run: ddpkit train --resume {run}$", errors[0]), errors[0]
         assert "Traceback" not in text and not FRAME_DUMP.search(text)
         assert text.count("run directory:") == 1  # --max-restarts 2 did not restart into it
         debris = [p.name for p in run.rglob("*") if ".tmp" in p.name]
         assert debris == [] and not (run / "summary.json").exists()
-        assert [p.name for p in (run / "checkpoints").glob("*.pt")] == ["step_000000004.pt"]
+        assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_000000004"]
 
 
 @pytest.mark.chaos
@@ -239,7 +239,7 @@ def test_a_stopped_rank_is_named_within_the_timeout_and_every_process_ends(tmp_p
     marker, timeout, margin = uuid.uuid4().hex, 3.0, 3.0
     proc = _start(*JOB, "--out-dir", str(tmp_path), "--collective-timeout", str(timeout),
                   env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:2", **{MARKER: marker}))
-    _wait_for("*/checkpoints/step_000000004.json", proc, tmp_path)
+    _wait_for("*/checkpoints/step_000000004/manifest.json", proc, tmp_path)
     stopped = worker_pid(marker, 1)
     assert stopped is not None
     os.kill(stopped, signal.SIGSTOP)

@@ -10,6 +10,7 @@ import json
 import logging
 
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ddpkit.loop.sample_ids import SampleLog, read_sample_logs, truncate_sample_logs
 from ddpkit.train.config import resolve
@@ -68,16 +69,19 @@ def test_resume_at_another_world_size_keeps_data_position_and_optimizer(pools, t
     stopped = pools(2).run(_train, CFG, run, 6)
     assert [r["preempted"] for r in stopped] == [True, True]  # rank 1's request stopped both
     assert [r["step"] for r in stopped] == [6, 6]
-    saved = torch.load(tmp_path / "run" / "checkpoints" / "step_000000006.pt", weights_only=True)
+    one_file = tmp_path / "step_6.pt"
+    dcp_to_torch_save(tmp_path / "run" / "checkpoints" / "step_000000006", one_file)
+    saved = torch.load(one_file, weights_only=True)
 
     (resumed,) = pools(1).run(_train, CFG, run, None, True)
     info = resumed["info"]
     assert info["world_size"] == 2 and not info["rng_restored"]
     assert info["step"] == 6 and info["position"] == 6 * 32  # the very next global batch
     restored, written = info["optimizer"]["state"], saved["optimizer"]["state"]
-    assert written and restored.keys() == written.keys()  # momentum was saved and restored
-    for mine, theirs in zip(restored.values(), written.values(), strict=True):
-        assert torch.equal(mine["momentum_buffer"], theirs["momentum_buffer"])
+    assert written and len(restored) == len(written)  # momentum was saved and restored
+    for mine in restored.values():  # saved by parameter name, restored by position
+        assert any(torch.equal(mine["momentum_buffer"], theirs["momentum_buffer"])
+                   for theirs in written.values())
     assert any("written by 2 ranks, this run has 1" in line and "differ in the last bits" in line
                for line in resumed["log"]), resumed["log"]
     assert resumed["step"] == 20
@@ -94,13 +98,13 @@ def test_corrupt_latest_checkpoint_falls_back_and_still_matches(pools, tmp_path)
     run = tmp_path / "run"
     cfg = {**CFG, "train": {**CFG["train"], "epochs": 1}}  # checkpoints at steps 4, 8, 10
     (first, _) = pools(2).run(_train, cfg, str(run))
-    payload = run / "checkpoints" / "step_000000010.pt"
+    payload = run / "checkpoints" / "step_000000010" / "__0_0.distcp"
     data = bytearray(payload.read_bytes())
     data[len(data) // 2] ^= 0xFF
     payload.write_bytes(bytes(data))
     again = pools(2).run(_train, cfg, str(run), None, True)
     assert again[0]["info"]["step"] == 8  # fell back past the corrupt step 10
-    assert any("sha256 mismatch" in line and "falling back to step_000000008.pt" in line
+    assert any("sha256 mismatch" in line and "falling back to step_000000008 (" in line
                for line in again[0]["log"]), again[0]["log"]
     for a, b in zip(again[0]["params"], first["params"], strict=True):
         assert torch.equal(a, b)  # same world size: bit for bit

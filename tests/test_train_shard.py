@@ -43,12 +43,12 @@ def test_sharded_run_equals_unsharded_with_half_the_optimizer_state(default_trai
     assert line.endswith(f"| peak RSS by rank [{memory}] MiB"), line
     config = json.loads((run_dir / "config.json").read_text())
     assert config["train"]["shard"] == "parameters"
-    files = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert "step_000000012.rank00000-of-00002.pt" in files
-    assert "step_000000012.rank00001-of-00002.pt" in files
-    manifest = json.loads((run_dir / "checkpoints" / "step_000000012.json").read_text())
-    assert [s["file"] for s in manifest["shards"]] == [
-        "step_000000012.rank00000-of-00002.pt", "step_000000012.rank00001-of-00002.pt"]
+    checkpoint = run_dir / "checkpoints" / "step_000000012"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    # Each rank wrote its part (DCP), every file listed with its hash.
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp", "run.pt"]
+    assert sorted(p.name for p in checkpoint.iterdir()) == sorted([*manifest["files"],
+                                                                  "manifest.json"])
 
 
 def test_shard_with_the_torch_engine_is_one_line_exit_2(tmp_path):

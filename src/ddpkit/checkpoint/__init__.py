@@ -13,6 +13,7 @@
 from ddpkit.checkpoint._dist import local_device
 from ddpkit.checkpoint.cadence import Cadence
 from ddpkit.checkpoint.collect import collect_state, restore_state
+from ddpkit.checkpoint.dcp_load import load_dcp, read_model_state
 from ddpkit.checkpoint.fingerprint import config_changes, config_fingerprint
 from ddpkit.checkpoint.model_state import (
     check_model_state,
@@ -34,8 +35,10 @@ __all__ = [
     "config_changes",
     "config_fingerprint",
     "gather_rng_states",
+    "load_dcp",
     "load_model_state",
     "local_device",
+    "read_model_state",
     "restore_state",
     "rng_state",
     "set_rng_state",

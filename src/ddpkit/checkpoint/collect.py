@@ -10,10 +10,13 @@ from typing import Any
 import torch
 
 from ddpkit.checkpoint._dist import _rank, _world_size
+from ddpkit.checkpoint.dcp_load import load_dcp
+from ddpkit.checkpoint.dcp_state import model_state, optimizer_from_names, optimizer_state
 from ddpkit.checkpoint.fingerprint import _config_json, config_changes, config_fingerprint
-from ddpkit.checkpoint.model_state import _preview, load_model_state, strip_module_prefix, unwrap
+from ddpkit.checkpoint.model_state import _preview, load_model_state
 from ddpkit.checkpoint.rng import gather_rng_states, set_rng_state
-from ddpkit.checkpoint.store import FORMAT, RANK_SHARD, SHARD_FILES, Checkpointer, CheckpointError
+from ddpkit.checkpoint.step_write import IN_DCP
+from ddpkit.checkpoint.store import DCP_DIR, FORMAT, SHARD_FILES, Checkpointer, CheckpointError
 from ddpkit.errors import DdpkitError
 from ddpkit.log import get_logger
 from ddpkit.parallel.exact.exact_reducer import ExactReducer
@@ -55,8 +58,8 @@ def _sharded(model: Any) -> bool:
 
 def _restore_sharded_optimizer(state: Mapping[str, Any], model: Any, optimizer: Any,
                                sharded_save: bool, source: str) -> None:
-    """Each rank takes the pieces of its new shards from every saved rank's file (or from
-    the unsharded state, when the checkpoint was written without sharding)."""
+    """Format 1: each rank takes the pieces of its new shards from every saved rank's
+    file (or from the unsharded state, when the checkpoint was written without sharding)."""
     if not sharded_save:  # written without sharding: cut it into this rank's shards
         try:
             model.load_unsharded_optimizer_state(optimizer, state["optimizer"])
@@ -102,15 +105,11 @@ def collect_state(
         "world_size": _world_size(),
         "rng": gather_rng_states(),
     }
-    if model is not None:
-        gather = getattr(model, "gather_parameters", None)
-        if callable(gather):  # a sharded DataParallel: every rank's updated shards first
-            gather()
-        state["model"] = strip_module_prefix(unwrap(model).state_dict())
-    if optimizer is not None and _sharded(model):
-        # Each rank writes its own part; the shared payload keeps what every rank shares.
-        state["optimizer"], mine = model.optimizer_shard_state(optimizer)
-        state[RANK_SHARD] = {"optimizer": mine}
+    if model is not None:  # a sharded DataParallel gathers every rank's shards first
+        state["model"] = model_state(model)
+    if optimizer is not None and model is not None:
+        # Named as torch's state_dict helpers name it; a ZeRO rank holds its pieces only.
+        state["optimizer"] = optimizer_state(model, optimizer)
     elif optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     if scheduler is not None:
@@ -157,14 +156,26 @@ def restore_state(
             f"({_config_diff(state['config'], _config_json(config))}); "
             "resume with the same config or start a fresh checkpoint directory"
         )
+    in_dcp = set(state.get(IN_DCP, ()))
     for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
                       ("sampler", sampler)):
-        if obj is not None and name not in state:
+        if obj is not None and name not in state and name not in in_dcp:
             raise CheckpointError(f"{source} has no {name} state; it was saved without one")
     exact = _exact_of(model)
     if exact is not None:
         _restore_exact(state, exact, source)
-    if model is not None:
+    if in_dcp and (model is not None or optimizer is not None):
+        if model is None:
+            raise CheckpointError(f"{source}: its optimizer state is named by parameter; "
+                                  "restore it together with its model (model=...)")
+        if DCP_DIR not in state:
+            raise CheckpointError(f"{source}: its model and optimizer are in a DCP checkpoint "
+                                  "not named with it; load it through Checkpointer.load")
+        load_dcp(state[DCP_DIR], model, optimizer if "optimizer" in in_dcp else None,
+                 source=source)
+        if "optimizer" in in_dcp:
+            optimizer = None  # restored with the model
+    elif model is not None:
         load_model_state(model, state["model"], source)
     saved_optimizer = state.get("optimizer")
     sharded_save = is_sharded_state(saved_optimizer)
@@ -172,7 +183,10 @@ def restore_state(
         _restore_sharded_optimizer(state, model, optimizer, sharded_save, source)
     elif optimizer is not None:
         try:
-            optimizer.load_state_dict(state["optimizer"])
+            if isinstance(saved_optimizer, Mapping) and saved_optimizer.get("state") and all(
+                    isinstance(k, str) for k in saved_optimizer["state"]):  # not yet saved
+                saved_optimizer = optimizer_from_names(optimizer, model, saved_optimizer)
+            optimizer.load_state_dict(saved_optimizer)
         except (ValueError, KeyError) as err:
             raise CheckpointError(
                 f"{source}: optimizer state does not fit this optimizer: {err}"

@@ -58,6 +58,7 @@ import torch.nn as nn
 
 from ddpkit import lifetime
 from ddpkit.checkpoint import Cadence, Checkpointer
+from ddpkit.checkpoint.init_from import init_fresh_run
 from ddpkit.data.partition import ShardBatch, ShardSampler
 from ddpkit.errors import ConfigError
 from ddpkit.fault import PreemptionGuard, ProgressBoard, Watchdog, set_collective_timeout
@@ -113,6 +114,8 @@ class Run(RunCheckpoints):
       world size, docs/exact.md): the run gives the engine and the sampler the same
       slice count (the engine's, else the sampler's, else the default for the
       global batch), and its checkpoints resume bit for bit at another world size.
+    * ``init_from``: a run that does not resume starts from the model (and optimizer
+      state) of this torch.distributed.checkpoint directory (docs/checkpoints.md).
 
     For applications built on it (``ddpkit train``): ``directory=None`` keeps
     everything in memory (no files, no checkpoints); ``checkpoints=False`` writes logs
@@ -144,6 +147,7 @@ class Run(RunCheckpoints):
         config_check: Callable[[Any, str], None] | None = None,
         inject_faults: bool = True,
         exact: bool = False,
+        init_from: str | os.PathLike | None = None,
     ):
         if collective_timeout is not None and collective_timeout <= 0:
             raise ConfigError(f"collective_timeout must be > 0 seconds, got {collective_timeout}")
@@ -168,6 +172,7 @@ class Run(RunCheckpoints):
             self._shard_sampler(sampler)
         self.state = dict(state or {})
         self.config = config
+        self.init_from = init_from
         self.collective_timeout = collective_timeout
         self.keep = keep
         self.resume = resume
@@ -237,6 +242,7 @@ class Run(RunCheckpoints):
                 stack.callback(set_collective_timeout, DEFAULT_TIMEOUT.total_seconds())
             if self.resume and not self._restore_done:
                 self._restore(quiet=True)
+            init_fresh_run(self)
             on_main_thread = threading.current_thread() is threading.main_thread()
             if self.checkpointer is not None and on_main_thread:
                 stack.enter_context(self.guard)

@@ -273,6 +273,10 @@ class CheckpointConfig:
     # Newest checkpoints kept; the newest good one is never deleted.
     keep: int = flag("--keep", "checkpoints kept (default: 3)", default=3, group=RUN,
                      metavar="K")
+    init_from: str | None = flag(
+        "--init-from", "start a new run from the model (and optimizer state) of this "
+        "torch.distributed.checkpoint directory: torch DDP, FSDP2, torchtitan or ddpkit",
+        default=None, group=RUN, metavar="DIR")
 
     def __post_init__(self) -> None:
         if self.every_steps is not None and self.every_steps < 1:

@@ -119,7 +119,7 @@ class Trainer:
             collective_timeout=cfg.fault.collective_timeout, resume=False,
             log_sample_ids=t.log_sample_ids, checkpoints=c.enabled, inject_faults=False,
             log_every=t.log_every_steps or None, log_with=t.log_with.split(","),
-            exact=t.exact,
+            exact=t.exact, init_from=c.init_from,
         )
         self.run.hooks.append(self._step_callbacks)
         self.run.prepare()  # collective: an unwritable checkpoint directory fails here

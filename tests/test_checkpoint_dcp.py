@@ -1,0 +1,145 @@
+"""ddpkit's checkpoints are torch.distributed.checkpoint (DCP) directories.
+
+* torch's tools read them: ``dcp.load`` into a plain model's and a plain optimizer's
+  state (torch's ``get_state_dict`` / ``set_state_dict``) in one process, from a
+  checkpoint two ZeRO ranks wrote; ``dcp_to_torch_save`` gives one file that loads into
+  the unwrapped model;
+* checkpoints written before (format 1: ``step_N.pt``, ZeRO's per-rank files; made by
+  ``tests/data/format1/make.py`` with that code) keep resuming, bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from test_zero import _adamw, _mlp, _train
+
+FORMAT1 = Path(__file__).parent / "data" / "format1"
+
+
+# ------------------------------------------------------------------ torch's tools read them
+def run_sharded_save(world, directory, mode):
+    from ddpkit.checkpoint import Checkpointer, collect_state
+
+    ddp, opt, _ = _train(world, mode, "auto", steps=2)
+    path = Checkpointer(directory).save(collect_state(model=ddp, optimizer=opt, step=2), 2)
+    names = [n for n, _ in ddp.module.named_parameters()]
+    state = opt.state_dict() if mode == "none" else None
+    return str(path), {k: v.clone() for k, v in ddp.state_dict().items()}, names, state
+
+
+def test_torch_loads_a_zero_checkpoint_into_a_plain_model_and_optimizer(pools, tmp_path):
+    path, weights, names, _ = pools(2).run(run_sharded_save, str(tmp_path / "z"), "gradients")[0]
+    _, _, _, reference = pools(2).run(run_sharded_save, str(tmp_path / "p"), "none")[0]
+    model = _mlp()
+    opt = _adamw(model)
+    model_sd, optim_sd = get_state_dict(model, opt)  # torch's names, torch's layout
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=path)  # one process, the checkpoint of two ranks
+    set_state_dict(model, opt, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, weights[f"module.{name}"]), name
+    # ZeRO's pieces came back whole: the unsharded run's AdamW state, bit for bit.
+    mine = opt.state_dict()
+    assert mine["state"].keys() == reference["state"].keys() and len(mine["state"]) == len(names)
+    for index, values in reference["state"].items():
+        for key, value in values.items():
+            assert torch.equal(mine["state"][index][key], value), (names[index], key)
+    assert [g["weight_decay"] for g in mine["param_groups"]] == [0.05, 0.0]
+
+
+def test_dcp_to_torch_save_gives_a_file_the_unwrapped_model_loads(pools, tmp_path):
+    path, weights, _, _ = pools(2).run(run_sharded_save, str(tmp_path / "z"), "optimizer")[0]
+    dcp_to_torch_save(path, tmp_path / "one.pt")
+    one = torch.load(tmp_path / "one.pt", weights_only=True)
+    model = _mlp()
+    model.load_state_dict(one["model"])
+    assert all(torch.equal(v, weights[f"module.{k}"]) for k, v in model.state_dict().items())
+    assert set(one["optimizer"]["state"]) == {n for n, _ in model.named_parameters()}
+
+
+# ------------------------------------------------------------------ format 1 keeps resuming
+def _maker():
+    spec = importlib.util.spec_from_file_location("format1_make", FORMAT1 / "make.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_format1(world, run_dir, shard):
+    import ddpkit
+
+    make = _maker()
+    wrapped, opt, sampler, data = make.build(shard)
+    with ddpkit.Run(Path(run_dir), model=wrapped, optimizer=opt, sampler=sampler) as run:
+        resumed_at = run.step
+        make.steps(run, wrapped, opt, sampler, data, 5)
+    final = ddpkit.checkpoint.unwrap(wrapped).state_dict()
+    steps = [info.step for info in run.checkpointer.checkpoints()]
+    return resumed_at, {k: v.clone() for k, v in final.items()}, steps
+
+
+def _check_format1(result, kind):
+    resumed_at, final, steps = result
+    expected = torch.load(FORMAT1 / kind / "expected.pt", weights_only=True)
+    assert resumed_at == 3 and steps == [3, 5]  # the old file, then a DCP directory
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[k], expected[k]) for k in expected), kind
+
+
+def test_a_format1_checkpoint_resumes_bit_for_bit(tmp_path):
+    shutil.copytree(FORMAT1 / "plain", tmp_path / "plain")
+    _check_format1(run_format1(None, tmp_path / "plain", "single"), "plain")
+    assert (tmp_path / "plain" / "checkpoints" / "step_000000005" / ".metadata").exists()
+
+
+def run_format1_zero_restored(world, run_dir):
+    """Resume the format 1 ZeRO checkpoint (two ranks, shard="optimizer") and compare
+    what each rank holds with what that checkpoint's files hold."""
+    import ddpkit
+
+    make = _maker()
+    wrapped, opt, sampler, _ = make.build("optimizer")
+    run = ddpkit.Run(Path(run_dir), model=wrapped, optimizer=opt, sampler=sampler)
+    with run:
+        step = run.step
+        weights = ddpkit.checkpoint.unwrap(wrapped).state_dict()
+        _, pieces = wrapped.optimizer_shard_state(opt)
+    directory = Path(run_dir) / "checkpoints"
+    saved = torch.load(directory / "step_000000003.pt", weights_only=True)
+    mine = torch.load(directory / f"step_000000003.rank{world.rank:05d}-of-00002.pt",
+                      weights_only=True)["optimizer"]
+    same_weights = all(torch.equal(weights[k], v) for k, v in saved["model"].items())
+    same_pieces = pieces["pieces"].keys() == mine["pieces"].keys() and all(
+        a[:3] == b[:3] and torch.equal(a[3], b[3])
+        for name in mine["pieces"] for a, b in zip(pieces["pieces"][name], mine["pieces"][name]))
+    steps = {n: float(v["step"]) for n, v in pieces["scalars"].items()}
+    return step, same_weights, same_pieces, steps
+
+
+def test_a_format1_zero_checkpoint_with_rank_files_resumes_exactly(pools, tmp_path):
+    shutil.copytree(FORMAT1 / "zero", tmp_path / "zero")
+    for step, same_weights, same_pieces, steps in pools(2).run(run_format1_zero_restored,
+                                                              str(tmp_path / "zero")):
+        assert step == 3 and same_weights and same_pieces
+        assert steps and set(steps.values()) == {3.0}
+
+
+def test_model_weights_of_a_checkpoint_read_without_a_model(tmp_path):
+    from ddpkit.checkpoint import Checkpointer, collect_state, read_model_state
+
+    model = _mlp()
+    F.relu(model(torch.randn(2, 64))).sum().backward()
+    path = Checkpointer(tmp_path).save(collect_state(model=model, step=1), 1)
+    read = read_model_state(path)
+    assert read.keys() == model.state_dict().keys()
+    assert all(torch.equal(read[k], v) for k, v in model.state_dict().items())

@@ -1,0 +1,131 @@
+"""``Run(init_from=DIR)`` / ``ddpkit train --init-from DIR``: a ddpkit run starts from a
+torch.distributed.checkpoint that torch wrote.
+
+Two writers, as the field writes them: torch DDP and FSDP2 (``fully_shard`` on gloo
+CPU), two ranks each, AdamW for two steps, then ``dcp.save({"model": ..., "optimizer":
+...})`` of ``get_state_dict(model, optimizer)``. ddpkit starts from each at three ranks,
+``shard="none"`` and ``"gradients"``: every rank's weights and AdamW moments equal
+the checkpoint's (as torch's own ``dcp_to_torch_save`` reads them), and it trains on.
+A checkpoint of another model is one line naming what differs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from test_zero import _batch, _mlp
+
+
+def _small(hidden: int = 70):
+    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, 5))
+
+
+def save_with_torch(world, directory, writer):
+    """What a torch program does: train two steps, save with DCP."""
+    torch.manual_seed(3)
+    model = _small()
+    if writer == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world.world_size,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(2):
+        opt.zero_grad()
+        x, y = _batch(step, world.rank)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=directory)
+
+
+def start_from(world, directory, run_dir, mode):
+    import ddpkit
+
+    torch.manual_seed(99)  # other weights than the checkpoint's
+    ddp = ddpkit.DataParallel(_small(), shard=mode)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+    with ddpkit.Run(run_dir, model=ddp, optimizer=opt, init_from=directory) as run:
+        weights = {k: v.clone() for k, v in ddp.module.state_dict().items()}
+        if mode == "none":
+            names = [n for n, _ in ddp.module.named_parameters()]
+            moments = {names[i]: (0, s["exp_avg"].reshape(-1).clone())
+                       for i, s in opt.state_dict()["state"].items()}
+        else:
+            _, mine = ddp.optimizer_shard_state(opt)
+            moments = {n: (a, t.clone()) for n, entries in mine["pieces"].items()
+                       for a, _, key, t in entries if key == "exp_avg"}
+        opt.zero_grad()
+        x, y = _batch(7, world.rank)
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        run.step_done()
+    trained = any(not torch.equal(v, weights[k]) for k, v in ddp.module.state_dict().items())
+    return weights, moments, run.initialized_from["optimizer"], trained
+
+
+@pytest.mark.parametrize("writer", ["ddp", "fsdp2"])
+def test_a_run_starts_from_a_torch_dcp_checkpoint_at_another_world_size(pools, tmp_path,
+                                                                          writer):
+    directory = str(tmp_path / writer)
+    pools(2).run(save_with_torch, directory, writer)
+    dcp_to_torch_save(directory, tmp_path / "one.pt")
+    saved = torch.load(tmp_path / "one.pt", weights_only=True)
+    for mode in ("none", "gradients"):
+        results = pools(3).run(start_from, directory, str(tmp_path / f"run-{mode}"), mode)
+        for weights, moments, optimizer_prefix, trained in results:
+            assert optimizer_prefix == "optimizer." and trained
+            assert weights.keys() == saved["model"].keys()
+            assert all(torch.equal(v, saved["model"][k]) for k, v in weights.items())
+            assert moments  # every rank got AdamW's moments of what it holds
+            for name, (start, flat) in moments.items():
+                whole = saved["optimizer"]["state"][name]["exp_avg"].reshape(-1)
+                assert torch.equal(flat, whole[start:start + flat.numel()]), (mode, name)
+
+
+def init_other_model(world, directory, run_dir):
+    import ddpkit
+    from ddpkit.checkpoint import CheckpointError
+
+    ddp = ddpkit.DataParallel(_small(hidden=80))
+    try:
+        with ddpkit.Run(run_dir, model=ddp, init_from=directory):
+            pass
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_a_checkpoint_of_another_model_is_one_line_naming_what_differs(pools, tmp_path):
+    directory = str(tmp_path / "ddp")
+    pools(2).run(save_with_torch, directory, "ddp")
+    errors = pools(2).run(init_other_model, directory, str(tmp_path / "run"))
+    assert errors[0] == errors[1] and "\n" not in errors[0]
+    assert f"--init-from {directory} does not match this model (Sequential)" in errors[0]
+    assert "0.weight (70, 64) vs model (80, 64)" in errors[0]
+    assert "2.weight (5, 70) vs model (5, 80)" in errors[0]
+
+
+def test_init_from_a_directory_that_is_not_a_checkpoint(tmp_path):
+    import ddpkit
+    from ddpkit.checkpoint import CheckpointError
+
+    run = ddpkit.Run(tmp_path / "run", model=_mlp(), init_from=tmp_path / "nothing")
+    with pytest.raises(CheckpointError, match=r"--init-from .*nothing: no such directory"):
+        run.__enter__()
+    (tmp_path / "empty").mkdir()
+    run = ddpkit.Run(tmp_path / "run2", model=_mlp(), init_from=tmp_path / "empty")
+    with pytest.raises(CheckpointError, match=r"no \.metadata there, so not a torch"):
+        run.__enter__()
+    assert not list((tmp_path / "run2" / "checkpoints").glob("step_*"))  # nothing trained
