@@ -32,8 +32,8 @@ from ddpkit.checkpoint.dcp_files import (
     read_metadata,
     single_process_quiet,
 )
-from ddpkit.checkpoint.dcp_state import is_sharded, optimizer_from_names
-from ddpkit.checkpoint.model_state import check_model_state, load_model_state, unwrap
+from ddpkit.checkpoint.dcp_state import is_sharded, optimizer_from_names, parameter_aliases
+from ddpkit.checkpoint.model_state import check_model_state, load_model_state
 from ddpkit.errors import DdpkitError
 from ddpkit.parallel.zero.sharded_state import FORMAT as SHARDED_FORMAT
 
@@ -104,7 +104,7 @@ def load_dcp(directory: str | Path, model: torch.nn.Module | None = None,
 
 def _optimizer_targets(model: Any, md: Mapping[str, Any], state_keys: dict, group_keys: dict,
                        target: dict[str, Any], device: torch.device, source: str) -> dict:
-    names = {n.removeprefix("module.") for n, _ in unwrap(model).named_parameters()}
+    names = set(parameter_aliases(model))  # a tied weight's state may be under any name
     strangers = sorted({name for name, _ in state_keys if name not in names})
     if strangers:
         raise CheckpointError(f"{source}: its optimizer state names parameters this model does "
