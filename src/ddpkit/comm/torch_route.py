@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from ddpkit import lifetime
-from ddpkit.comm import collectives, ops
+from ddpkit.comm import collectives, fast_path, ops, registry
 
 NAMES = ("all_reduce", "broadcast", "reduce", "barrier")
 # The reductions torch's own tests run on ddpkit's functions (sum, product, min, max).
@@ -44,12 +45,25 @@ _ROUTED_OPS = {op: name for op, name in ((dist.ReduceOp.SUM, "sum"),
                                         (dist.ReduceOp.MIN, "min"),
                                         (dist.ReduceOp.MAX, "max"))}
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+_MAX_DIRECT = 64
 _MODULES = (dist, distributed_c10d)
 
 _originals: dict[str, Callable] = {}  # name -> torch's function while routed
-_inside = threading.local()  # .active: a routed call is running on this thread
+
+
+class _Inside(threading.local):
+    active = False  # a routed call is running on this thread (a class default: no lookup miss)
+
+
+_inside = _Inside()
 _gloo_groups = lifetime.PerGroup()  # group -> whether ddpkit answers its collectives
 _counts: Counter = Counter()  # name -> calls answered by ddpkit in this process
+# (id(group), dtype, id(op)) -> (the group, weakly; the op object, which keeps its id
+# unique; ddpkit's remembered call; the algorithm table's version it was found under).
+# torch's default group object is read from distributed_c10d._world (what
+# dist.group.WORLD returns, minus a property lookup per call).
+_direct: dict = {}
 
 
 def routed() -> bool:
@@ -84,6 +98,7 @@ def restore() -> None:
         for module in _MODULES:
             setattr(module, name, original)
     _originals.clear()
+    forget()
 
 
 def _from_ddpkit(depth: int = 2) -> bool:
@@ -116,7 +131,7 @@ def _plain_cpu(tensor: Any) -> bool:
 
 def _ours(async_op: bool, group) -> bool:
     """The checks every routed call shares (the caller adds its tensor's and op's)."""
-    return (not async_op and not getattr(_inside, "active", False)
+    return (not async_op and not _inside.active
             and not torch.compiler.is_compiling() and not _from_ddpkit(3)
             and _group_served(group))
 
@@ -161,12 +176,46 @@ def _movable(dtype: torch.dtype) -> bool:
 
 
 def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    if not async_op and type(tensor) in _PLAIN_TENSORS:
+        # the call's group, op and dtype were judged before: only the tensor's own
+        # properties and the caller are checked again (as _plain_cpu and _ours do)
+        pg = distributed_c10d._world.default_pg if group is None else group
+        found = _direct.get((id(pg), tensor.dtype, id(op)))
+        if (found is not None and found[0]() is pg and found[1] is op
+                and found[3] == registry.version() and tensor.is_cpu
+                and tensor.layout is _STRIDED and not tensor.requires_grad
+                and tensor.is_contiguous() and not _inside.active
+                and not torch.compiler.is_compiling() and not _from_ddpkit()):
+            _counts["all_reduce"] += 1
+            found[2](tensor)
+            return None
     if _plain_cpu(tensor) and _ours(async_op, group):
         name = _reduction(op, tensor.dtype, "all_reduce")
         if name is not None:
-            return _call("all_reduce", collectives.all_reduce, tensor, name,
-                         _default_to_none(group))
+            _call("all_reduce", collectives.all_reduce, tensor, name, _default_to_none(group))
+            _remember_direct(tensor, op, group, name)
+            return None
     return _originals["all_reduce"](tensor, op, group, async_op)
+
+
+def _remember_direct(tensor, op, group, name: str) -> None:
+    """After a routed all_reduce on the default group: the path ddpkit.comm remembered
+    for its like (ddpkit.comm.fast_path), kept under this call's group, dtype and op
+    object, so the next such call skips the checks that cannot have changed."""
+    pg = distributed_c10d._world.default_pg
+    if pg is None or (group is not None and group is not pg):
+        return
+    route = fast_path.lookup(tensor, name)
+    if route is None:
+        return
+    if len(_direct) >= _MAX_DIRECT:  # groups come and go: do not grow forever
+        _direct.clear()
+    _direct[id(pg), tensor.dtype, id(op)] = (weakref.ref(pg), op, route, registry.version())
+
+
+def forget() -> None:
+    """Drop every remembered all_reduce route (the next call of each shape judges anew)."""
+    _direct.clear()
 
 
 def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
