@@ -82,8 +82,9 @@ def _worker(rank: int, world: int, store_path: str, args, out_path: str) -> None
             fns = {"gloo": gloo, "routed": routed, "ddpkit.comm": public, "engine": generic,
                    "barrier": engine.control.barrier}
             if DirectAllReduce is not None:
-                fns["direct"] = DirectAllReduce(engine, "sum", tensor.dtype, engine._code(
+                bound = DirectAllReduce(engine, "sum", tensor.dtype, engine._code(
                     "all_reduce", "sum", tensor.dtype)[1])
+                fns["direct"] = lambda t=tensor, fn=bound: fn(t)
             torch_route.route()
             for fn in fns.values():  # warm up: buffers, remembered routes
                 for _ in range(20):

@@ -27,7 +27,6 @@ import functools
 import sys
 import threading
 import weakref
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -58,12 +57,13 @@ class _Inside(threading.local):
 
 _inside = _Inside()
 _gloo_groups = lifetime.PerGroup()  # group -> whether ddpkit answers its collectives
-_counts: Counter = Counter()  # name -> calls answered by ddpkit in this process
+_counts = dict.fromkeys(NAMES, 0)  # name -> calls answered by ddpkit in this process
 # (id(group), dtype, id(op)) -> (the group, weakly; the op object, which keeps its id
 # unique; ddpkit's remembered call; the algorithm table's version it was found under).
 # torch's default group object is read from distributed_c10d._world (what
-# dist.group.WORLD returns, minus a property lookup per call).
+# dist.group.WORLD returns, minus a class property per call).
 _direct: dict = {}
+_WORLD = distributed_c10d._world
 
 
 def routed() -> bool:
@@ -72,7 +72,7 @@ def routed() -> bool:
 
 def counts() -> dict[str, int]:
     """How many calls of each name ddpkit answered in this process."""
-    return dict(_counts)
+    return {name: n for name, n in _counts.items() if n}
 
 
 def original(name: str) -> Callable:
@@ -103,8 +103,11 @@ def restore() -> None:
 
 def _from_ddpkit(depth: int = 2) -> bool:
     """Whether the function calling the dispatcher belongs to ddpkit."""
-    caller = sys._getframe(depth).f_globals.get("__name__", "")
-    return caller == "ddpkit" or caller.startswith("ddpkit.")
+    return _ddpkit_module(sys._getframe(depth).f_globals.get("__name__", ""))
+
+
+def _ddpkit_module(name: str) -> bool:
+    return name.startswith("ddpkit") and (len(name) == 6 or name[6] == ".")
 
 
 def _group_served(group) -> bool:
@@ -179,13 +182,14 @@ def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     if not async_op and type(tensor) in _PLAIN_TENSORS:
         # the call's group, op and dtype were judged before: only the tensor's own
         # properties and the caller are checked again (as _plain_cpu and _ours do)
-        pg = distributed_c10d._world.default_pg if group is None else group
+        pg = _WORLD.default_pg if group is None else group
         found = _direct.get((id(pg), tensor.dtype, id(op)))
         if (found is not None and found[0]() is pg and found[1] is op
                 and found[3] == registry.version() and tensor.is_cpu
                 and tensor.layout is _STRIDED and not tensor.requires_grad
                 and tensor.is_contiguous() and not _inside.active
-                and not torch.compiler.is_compiling() and not _from_ddpkit()):
+                and not torch.compiler.is_compiling()
+                and not _ddpkit_module(sys._getframe(1).f_globals.get("__name__", ""))):
             _counts["all_reduce"] += 1
             found[2](tensor)
             return None
@@ -202,7 +206,7 @@ def _remember_direct(tensor, op, group, name: str) -> None:
     """After a routed all_reduce on the default group: the path ddpkit.comm remembered
     for its like (ddpkit.comm.fast_path), kept under this call's group, dtype and op
     object, so the next such call skips the checks that cannot have changed."""
-    pg = distributed_c10d._world.default_pg
+    pg = _WORLD.default_pg
     if pg is None or (group is not None and group is not pg):
         return
     route = fast_path.lookup(tensor, name)

@@ -68,10 +68,10 @@ class DirectAllReduce:
         control = comm.control
         cells, word = control.cells, self.word
         at = self.published[parity]
+        # (numel, word) is what peers compare; the slot's other two words place a large
+        # message in shared memory, and no call that could meet this one reads them
         cells[at] = numel
         cells[at + 1] = word
-        cells[at + 2] = -1
-        cells[at + 3] = -1
         control.barrier()
         for peer_at in self.peers_meta[parity]:
             if cells[peer_at] != numel or cells[peer_at + 1] != word:
