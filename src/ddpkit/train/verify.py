@@ -36,7 +36,7 @@ from ddpkit.data.datasets import ArrayDataset
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
 from ddpkit.launcher_link import die_with_launcher
-from ddpkit.parallel.exact.exact_sum import ExactMean
+from ddpkit.parallel.exact.exact_sum32 import choose_format, make_mean
 from ddpkit.parallel.exact.slices import slice_rng
 from ddpkit.runtime import distributed
 from ddpkit.train import recipe
@@ -154,7 +154,7 @@ def exact_reference_parameters(cfg: Config, train_set: ArrayDataset, steps: int,
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     rows = torch.empty(v, numel)
-    mean, result = ExactMean(v, numel, v), torch.empty(numel)
+    mean, result = make_mean(choose_format(v), v, numel, v), torch.empty(numel)
     for step in range(steps):
         batch = next(sampler.batches())
         x, y = train_set.batch(batch.indices)

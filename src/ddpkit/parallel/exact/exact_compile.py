@@ -1,0 +1,93 @@
+"""Exact mode's 32-bit sum passes, compiled by torch's own compiler, eager as the fallback.
+
+:mod:`ddpkit.parallel.exact.exact_kernels` holds the passes as plain torch functions.
+Here they run compiled with ``torch.compile`` (inductor: one fused loop per pass,
+vectorized C++ on the CPU, Triton on CUDA), each term read once per pass, results
+written straight into the caller's buffers, no full-size temporaries. Compiled and
+eager give the same bits (every step is exact but the one rounding division and the
+cast, which both do the same way), so eager is the fallback:
+
+* ``DDPKIT_EXACT_COMPILE=0`` turns compiling off (eager from the start);
+* when compiling fails (no C++ compiler, a torch without inductor, ...) the process
+  logs one warning and runs eager from then on.
+
+Eager runs the same functions piece by piece (cache-sized pieces, so their
+temporaries stay in the cache). The compiled code is cached by inductor (its
+directory: ``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``):
+the first process on a machine pays the compile, later ones load it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ddpkit.log import get_logger
+from ddpkit.parallel.exact import exact_kernels
+
+log = get_logger(__name__)
+
+COMPILE_ENV = "DDPKIT_EXACT_COMPILE"
+# Elements per eager piece: a piece of every term and the piece's temporaries stay in
+# the L2 cache, and Python's per-op cost stays small next to the op.
+EAGER_PIECE = 1 << 15
+
+_compiled: dict[str, Callable] = {}
+_failed: list[str] = []  # the first compile failure's message, if any
+
+
+def compile_wanted() -> bool:
+    """Whether the passes run compiled here: not turned off by the environment and no
+    compile has failed in this process."""
+    return os.environ.get(COMPILE_ENV, "1").strip().lower() not in ("0", "false", "no",
+                                                                    "off") and not _failed
+
+
+def _compiled_pass(name: str) -> Callable:
+    fn = _compiled.get(name)
+    if fn is None:
+        # dynamic: one kernel for every segment length (fewer compiles); fullgraph: a
+        # graph break would leave eager pieces behind without saying so
+        fn = _compiled[name] = torch.compile(getattr(exact_kernels, name), dynamic=True,
+                                             fullgraph=True)
+    return fn
+
+
+def _run(name: str, out: torch.Tensor, elementwise: Sequence[torch.Tensor],
+         terms: Sequence[torch.Tensor] | None, *scalars) -> None:
+    """``exact_kernels.<name>(out, *elementwise, [terms,] *scalars)``, compiled when
+    wanted (whole segment, one call), else eager in pieces."""
+    lists = () if terms is None else (list(terms),)
+    if compile_wanted():
+        try:
+            _compiled_pass(name)(out, *elementwise, *lists, *scalars)
+            return
+        except Exception as exc:  # noqa: BLE001  any compile failure: eager from here on
+            _failed.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            log.warning(f"exact mode: compiling the sum failed ({_failed[0]}); it runs "
+                        f"eager (the same bits, slower). {COMPILE_ENV}=0 skips the attempt")
+    eager = getattr(exact_kernels, name)
+    n = out.numel()
+    for a in range(0, n, EAGER_PIECE):
+        b = min(n, a + EAGER_PIECE)
+        pieces = () if terms is None else ([t[a:b] for t in terms],)
+        eager(out[a:b], *(t[a:b] for t in elementwise), *pieces, *scalars)
+
+
+def max_exponent(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
+    _run("max_exponent", out, (), terms)
+
+
+def encode(out: torch.Tensor, exponents: torch.Tensor, terms: Sequence[torch.Tensor],
+           p: int) -> None:
+    _run("encode", out, (exponents,), terms, p)
+
+
+def decode(out: torch.Tensor, total: torch.Tensor, exponents: torch.Tensor, p: int,
+           twos: int, odd: torch.Tensor | None) -> None:
+    _run("decode", out, (total, exponents), None, p, twos, odd)
+
+
+__all__ = ["COMPILE_ENV", "compile_wanted", "decode", "encode", "max_exponent"]
