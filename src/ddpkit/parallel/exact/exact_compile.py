@@ -81,13 +81,13 @@ def max_exponent(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
 
 
 def encode(out: torch.Tensor, exponents: torch.Tensor, terms: Sequence[torch.Tensor],
-           p: int) -> None:
-    _run("encode", out, (exponents,), terms, p)
+           p: int, special: bool) -> None:
+    _run("encode", out, (exponents,), terms, p, special)
 
 
 def decode(out: torch.Tensor, total: torch.Tensor, exponents: torch.Tensor, p: int,
-           twos: int, odd: torch.Tensor | None) -> None:
-    _run("decode", out, (total, exponents), None, p, twos, odd)
+           twos: int, odd: torch.Tensor | None, special: bool) -> None:
+    _run("decode", out, (total, exponents), None, p, twos, odd, special)
 
 
 __all__ = ["COMPILE_ENV", "compile_wanted", "decode", "encode", "max_exponent"]

@@ -18,9 +18,10 @@ Every operation is exact except the last division and cast, and each is a functi
 its element alone, so these give the same bits eagerly, compiled (inductor: one fused
 loop per pass, vectorized C++ on the CPU, Triton on CUDA) and in any number of pieces
 or threads. Powers of two are built from their bits (``exp2`` need not be exact); the
-float64 scaling cannot overflow or lose bits (|k| < 300); the odd divisor is a tensor, so no
-compiler turns the division into a multiplication by a rounded reciprocal.
-Non-finite checks read the integer bits, unaffected by fast-math flags.
+odd divisor is a tensor, so no compiler turns the division into a multiplication by a
+rounded reciprocal; non-finite checks read the integer bits, unaffected by fast-math
+flags. The non-finite handling runs only where some exponent is 255 (``special``):
+both variants give the same bits where none is.
 
 :mod:`ddpkit.parallel.exact.exact_compile` runs them compiled or eager.
 """
@@ -60,45 +61,62 @@ def max_exponent(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
     out.copy_(agreed)
 
 
+def _power_of_two32(exponent: torch.Tensor) -> torch.Tensor:
+    """2^exponent as float32, exactly, built from its bits (exponent int32, -126..127)."""
+    return torch.bitwise_left_shift(exponent + _F32_BIAS, _F32_MANTISSA_BITS).view(torch.float32)
+
+
 def encode(out: torch.Tensor, exponents: torch.Tensor, terms: Sequence[torch.Tensor],
-           p: int) -> None:
+           p: int, special: bool) -> None:
     """``out`` (int32) = per element, the sum of the terms' fixed-point integers on the
-    grid ``2^(E - 126 - P)`` of the agreed exponent E (``exponents``, uint8)."""
-    biased = exponents.to(torch.int64)
+    grid ``2^(E - 126 - P)`` of the agreed exponent E (``exponents``, uint8).
+    ``special``: some E is 255 (an inf or NaN term somewhere); without, the loop skips
+    the counting of non-finite terms."""
+    # int32 exponent arithmetic (widening bytes to int64 costs more than the rest)
+    biased = exponents.to(torch.int32)
+    # k = P + 126 - E <= P + 126: a zero or subnormal maximum (E = 0) still gets the
+    # grid of its 2^-126 bound. 2^k as two float32 factors (one holds at most 2^126);
+    # each product is exact: |term| < 2^(E - 126), so |term * 2^k| < 2^P, and below
+    # 2^-126 (where float32 would round) only for terms that round to 0 anyway.
+    k = p + _F32_BIAS - 1 - biased
+    first = _power_of_two32(torch.clamp(k, max=_F32_BIAS - 1))
+    second = _power_of_two32(torch.clamp(k - (_F32_BIAS - 1), min=0))
     finite = biased != 255
-    # k = P + 126 - E <= P + 126: a zero or subnormal maximum (E = 0) still gets the grid
-    # of its 2^-126 bound; float64 holds every 2^k exactly.
-    scale = _power_of_two64(p + _F32_BIAS - 1 - biased)
     total = None
     for term in terms:
-        scaled = torch.where(finite, term.to(torch.float64) * scale, 0.0)
+        scaled = term * first * second
+        if special:  # inf * 2^k is inf: keep it out of the conversion to int32
+            scaled = torch.where(finite, scaled, 0.0)
         # ties to even, a function of the term alone; |q| <= 2^P, so int32 holds it
         q = torch.round(scaled).to(torch.int32)
-        bits = term.view(torch.int32)
-        special = _exponents(term) == 255
-        code = torch.where(torch.bitwise_and(bits, 0x7FFFFF) != 0, NAN_CODE,
-                           torch.where(bits < 0, NEG_INF_CODE, POS_INF_CODE))
-        q = torch.where(finite, q, torch.where(special, code, 0))
+        if special:
+            bits = term.view(torch.int32)
+            code = torch.where(torch.bitwise_and(bits, 0x7FFFFF) != 0, NAN_CODE,
+                               torch.where(bits < 0, NEG_INF_CODE, POS_INF_CODE))
+            q = torch.where(finite, q, torch.where(_exponents(term) == 255, code, 0))
         total = q if total is None else total + q
     out.copy_(total)
 
 
 def decode(out: torch.Tensor, total: torch.Tensor, exponents: torch.Tensor, p: int,
-           twos: int, odd: torch.Tensor | None) -> None:
+           twos: int, odd: torch.Tensor | None, special: bool) -> None:
     """``out`` = per element ``total * 2^(E - P - 126) / (odd * 2^twos)`` (the count of
-    terms is ``odd * 2^twos``; ``odd`` a float64 scalar tensor, None for 1); an
-    element whose exponent is 255 gets +inf, -inf or NaN from its codes."""
-    biased = exponents.to(torch.int64)
-    mean = total.to(torch.float64) * _power_of_two64(biased - p - (_F32_BIAS - 1) - twos)
+    terms is ``odd * 2^twos``; ``odd`` a float64 scalar tensor, None for 1); with
+    ``special``, an element whose exponent is 255 gets +inf, -inf or NaN from its codes."""
+    biased = exponents.to(torch.int32)
+    scale = _power_of_two64((biased - (p + _F32_BIAS - 1 + twos)).to(torch.int64))
+    mean = total.to(torch.float64) * scale
     if odd is not None:
         mean = mean / odd  # the one rounding (then the cast's)
+    if not special:
+        out.copy_(mean)
+        return
     positive = torch.bitwise_and(total, (1 << _CODE_BITS) - 1) > 0
     negative = torch.bitwise_and(torch.bitwise_right_shift(total, _CODE_BITS),
                                  (1 << _CODE_BITS) - 1) > 0
     nan = (torch.bitwise_right_shift(total, 2 * _CODE_BITS) > 0) | (positive & negative)
-    special = torch.where(nan, float("nan"), torch.where(positive, float("inf"),
-                                                         float("-inf")))
-    out.copy_(torch.where(biased == 255, special, mean))
+    inf = torch.where(nan, float("nan"), torch.where(positive, float("inf"), float("-inf")))
+    out.copy_(torch.where(biased == 255, inf, mean))
 
 
 __all__ = ["NAN_CODE", "NEG_INF_CODE", "POS_INF_CODE", "decode", "encode", "max_exponent"]

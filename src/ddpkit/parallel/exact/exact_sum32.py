@@ -161,7 +161,8 @@ class ExactMean32:
             if a == b:
                 continue
             if column:
-                exact_compile.encode(self.total[a:b], self.maxima[a:b], column, self.p)
+                exact_compile.encode(self.total[a:b], self.maxima[a:b], column, self.p,
+                                     self._special(a, b))
             else:
                 self.total[a:b].zero_()
         return self.total
@@ -172,8 +173,13 @@ class ExactMean32:
         out = out.view(-1)
         if self.n:
             exact_compile.decode(out, self.total, self.maxima[: self.n], self.p,
-                                 self._twos, self._odd)
+                                 self._twos, self._odd, self._special(0, self.n))
         return out
+
+    def _special(self, a: int, b: int) -> bool:
+        """Whether an element in [a, b) has an inf or NaN term (exponent 255): only then
+        do the passes count non-finite terms (one byte per element read to know)."""
+        return int(self.maxima[a:b].max()) == 255
 
 
 def make_mean(sum_format: str, rows: int, n: int, terms: int, **options):
