@@ -92,3 +92,15 @@ def test_a_failing_compile_falls_back_to_eager_with_one_warning(monkeypatch, cap
                 r.getMessage()]
     assert len(warnings) == 1 and "no C++ compiler found" in warnings[0]
     assert not exact_compile.compile_wanted()
+
+
+def test_the_passes_use_the_cores_of_a_rank_unless_told(monkeypatch):
+    monkeypatch.delenv(exact_compile.THREADS_ENV, raising=False)
+    monkeypatch.setattr(exact_compile.os, "sched_getaffinity", lambda pid: set(range(16)),
+                        raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert exact_compile.sum_threads() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert exact_compile.sum_threads() == 1
+    monkeypatch.setenv(exact_compile.THREADS_ENV, "3")
+    assert exact_compile.sum_threads() == 3

@@ -12,7 +12,13 @@ cast, which both do the same way), so eager is the fallback:
   logs one warning and runs eager from then on.
 
 Eager runs the same functions piece by piece (cache-sized pieces, so their
-temporaries stay in the cache). The compiled code is cached by inductor (its
+temporaries stay in the cache).
+
+Threads: the passes' bits do not depend on how many threads split them, so the
+compiled loops use every core the rank has (:func:`sum_threads`: the cores this
+process may run on, divided among the host's ranks; ``DDPKIT_EXACT_SUM_THREADS=N``
+sets it) while torch's own thread count stays pinned for the slices' forward and
+backward (:mod:`ddpkit.parallel.exact.slices`). The compiled code is cached by inductor (its
 directory: ``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``):
 the first process on a machine pays the compile, later ones load it.
 """
@@ -30,11 +36,12 @@ from ddpkit.parallel.exact import exact_kernels
 log = get_logger(__name__)
 
 COMPILE_ENV = "DDPKIT_EXACT_COMPILE"
+THREADS_ENV = "DDPKIT_EXACT_SUM_THREADS"
 # Elements per eager piece: a piece of every term and the piece's temporaries stay in
 # the L2 cache, and Python's per-op cost stays small next to the op.
 EAGER_PIECE = 1 << 15
 
-_compiled: dict[str, Callable] = {}
+_compiled: dict[tuple[str, int], Callable] = {}
 _failed: list[str] = []  # the first compile failure's message, if any
 
 
@@ -45,13 +52,31 @@ def compile_wanted() -> bool:
                                                                     "off") and not _failed
 
 
+def sum_threads() -> int:
+    """Threads for the compiled passes: ``$DDPKIT_EXACT_SUM_THREADS``, else the cores
+    this process may run on divided by the ranks on its host (``LOCAL_WORLD_SIZE``, as
+    launchers set it; else ``WORLD_SIZE``: all on one host, the cautious guess)."""
+    setting = os.environ.get(THREADS_ENV, "").strip()
+    if setting:
+        return max(1, int(setting))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "1"
+    return max(1, cores // max(1, int(local)))
+
+
 def _compiled_pass(name: str) -> Callable:
-    fn = _compiled.get(name)
+    threads = sum_threads()
+    fn = _compiled.get((name, threads))
     if fn is None:
         # dynamic: one kernel for every segment length (fewer compiles); fullgraph: a
-        # graph break would leave eager pieces behind without saying so
-        fn = _compiled[name] = torch.compile(getattr(exact_kernels, name), dynamic=True,
-                                             fullgraph=True)
+        # graph break would leave eager pieces behind without saying so; the thread
+        # count is fixed in the generated loop (OpenMP), whatever torch's is
+        fn = _compiled[(name, threads)] = torch.compile(
+            getattr(exact_kernels, name), dynamic=True, fullgraph=True,
+            options={"cpp.threads": threads})
     return fn
 
 
@@ -90,4 +115,5 @@ def decode(out: torch.Tensor, total: torch.Tensor, exponents: torch.Tensor, p: i
     _run("decode", out, (total, exponents), None, p, twos, odd, special)
 
 
-__all__ = ["COMPILE_ENV", "compile_wanted", "decode", "encode", "max_exponent"]
+__all__ = ["COMPILE_ENV", "THREADS_ENV", "compile_wanted", "decode", "encode",
+           "max_exponent", "sum_threads"]
