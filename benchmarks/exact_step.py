@@ -56,6 +56,7 @@ import ddpkit
 from ddpkit.bench.output import save_json
 from ddpkit.host_malloc import worker_malloc_env
 from ddpkit.parallel.exact.exact_sum import ExactMean
+from ddpkit.parallel.exact.exact_sum32 import ExactMean32
 from ddpkit.parallel.exact.exact_transport import ExactTransport
 from ddpkit.slice_count import default_slices
 from ddpkit.train.models import MLP
@@ -169,6 +170,7 @@ def _cases(opts: dict) -> list[tuple[str, int, int, int]]:
 def worker(world: ddpkit.World, opts: dict) -> dict:
     torch.set_num_threads(1)
     _instrument()
+    _instrument(transport=None, mean=ExactMean32)  # the default format's sum
     baseline = None
     if opts["baseline_src"]:
         baseline, baseline_sum = _load_baseline(opts["baseline_src"])

@@ -29,6 +29,10 @@ from dist_pool import DistPool  # noqa: E402
 from train_reference import train_in_pool  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Exact mode's sum compiles its passes (seconds in every new process); tests where the
+# compile is beside the point run them eager, which gives the same bits
+# (tests/test_exact_compile.py compares the two).
+os.environ.setdefault("DDPKIT_EXACT_COMPILE", "0")
 
 UNIT, MULTIPROCESS, E2E = "unit", "multiprocess", "e2e"
 LAYERS = {
@@ -44,6 +48,7 @@ LAYERS = {
     "test_elastic_parts.py": UNIT,
     "test_ddp_buckets.py": UNIT,
     "test_exact_sum.py": UNIT,
+    "test_exact_compile.py": UNIT,
     "test_readme.py": UNIT,
     "test_shard_layout.py": UNIT,
     "test_topology.py": UNIT,

@@ -212,6 +212,39 @@ def test_run_with_a_dataloader_continues_at_another_world_size_with_the_same_bit
     assert _same(resumed["params"], full[0]["params"])
 
 
+def _with_sum_format(world, sum_format, fn, *args):
+    """``fn(world, *args)`` with ``$DDPKIT_EXACT_SUM`` set to ``sum_format`` (None: unset,
+    the default format)."""
+    import os
+
+    before = os.environ.pop("DDPKIT_EXACT_SUM", None)
+    if sum_format is not None:
+        os.environ["DDPKIT_EXACT_SUM"] = sum_format
+    try:
+        return fn(world, *args)
+    finally:
+        os.environ.pop("DDPKIT_EXACT_SUM", None)
+        if before is not None:
+            os.environ["DDPKIT_EXACT_SUM"] = before
+
+
+def test_a_run_started_with_the_float64_sum_continues_with_it_at_another_world_size(
+        pools, tmp_path):
+    """The default is the int32 sum; a run whose checkpoint says float64 resumes in
+    float64 (the same bits as uninterrupted), not in the default."""
+    full = pools(2).run(_restoring, _with_sum_format, "float64", _run_loop,
+                        str(tmp_path / "full"))
+    pools(2).run(_restoring, _with_sum_format, "float64", _run_loop, str(tmp_path / "run"), 3)
+    (resumed,) = pools(1).run(_restoring, _with_sum_format, None, _run_loop,
+                              str(tmp_path / "run"))
+    assert resumed["step"] == 10
+    assert _same(resumed["params"], full[0]["params"])
+    # the formats round differently: the check above tells which one the resume used
+    (int32,) = pools(1).run(_restoring, _with_sum_format, None, _run_loop,
+                            str(tmp_path / "int32"))
+    assert not _same(int32["params"], full[0]["params"])
+
+
 def _unused_parameter(world):
     import ddpkit
 

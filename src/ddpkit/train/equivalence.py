@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ddpkit.data.datasets import ArrayDataset
 from ddpkit.errors import ConfigError
 from ddpkit.launcher_link import die_with_launcher
-from ddpkit.parallel.exact.exact_sum import ExactMean
+from ddpkit.parallel.exact.exact_sum32 import choose_format, make_mean
 from ddpkit.parallel.exact.slices import slice_rng
 from ddpkit.runtime import distributed
 from ddpkit.train.build import Parts, Wrap, build_parts, load_data
@@ -152,7 +152,7 @@ def exact_reference_parameters(cfg: Config, datasets: tuple[ArrayDataset, ArrayD
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     rows = torch.empty(v, numel)
-    mean, result = ExactMean(v, numel, v), torch.empty(numel)
+    mean, result = make_mean(choose_format(v), v, numel, v), torch.empty(numel)
     for step in range(steps):
         batch = next(parts.sampler.batches())
         x, y = train_set.batch(batch.indices)
