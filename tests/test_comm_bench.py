@@ -120,15 +120,24 @@ def signatures_each_shm_column_passes(world) -> dict:
     """The ``signature=`` every column hands ShmCommunicator.all_reduce, per column."""
     from ddpkit.bench import shm as shm_bench
     from ddpkit.comm.shm import ShmCommunicator
+    from ddpkit.comm.shm.direct import DirectAllReduce
 
     seen: list = []
-    original = ShmCommunicator.all_reduce
+    original, direct = ShmCommunicator.all_reduce, DirectAllReduce.__call__
 
     def spy(self, tensor, op="sum", **kwargs):
         seen.append(kwargs.get("signature"))
         return original(self, tensor, op, **kwargs)
 
+    def direct_spy(self, tensor):  # a repeated public call: the word it was bound to
+        seen.append(self.word)
+        calls = len(seen)
+        result = direct(self, tensor)
+        del seen[calls:]  # its own fallback to the generic path is the same call
+        return result
+
     ShmCommunicator.all_reduce = spy
+    DirectAllReduce.__call__ = direct_spy
     try:
         with ShmCommunicator(timeout=60) as comm:
             private = torch.ones(256)
@@ -140,6 +149,7 @@ def signatures_each_shm_column_passes(world) -> dict:
                 out[name] = list(seen)
     finally:
         ShmCommunicator.all_reduce = original
+        DirectAllReduce.__call__ = direct
     return out
 
 
