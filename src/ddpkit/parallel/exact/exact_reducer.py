@@ -105,6 +105,7 @@ class ExactReducer:
         # the sum's format ("int32", "float64"): fixed with V (the default depends on
         # it), or by a checkpoint (a run keeps the format it started with)
         self.sum_format: str | None = None
+        self._format_saved = False  # set by a checkpoint: kept whatever V is set after
         self.seed, self._requested_format = agreed_settings(
             transport, self.world_size, self.device, seed)
         if slices is not None:
@@ -154,7 +155,7 @@ class ExactReducer:
             raise ConfigError(f"exact mode: this run has {self.slice_count} slices; "
                               f"they cannot change to {v} in the middle of it")
         self.slice_count = v
-        if self.sum_format is None:
+        if not self._format_saved:
             self.sum_format = choose_format(v, self._requested_format)
 
     def state_dict(self) -> dict[str, Any]:
@@ -178,6 +179,7 @@ class ExactReducer:
                          "uninterrupted")
             self.sum_format = sum_format
             self._mean = None  # rebuilt in that format at the next step
+        self._format_saved = True
         if self.slice_count is None:
             self.set_slice_count(saved)
         self.step = int(state["step"])
