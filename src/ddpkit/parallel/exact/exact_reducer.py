@@ -25,7 +25,7 @@ What exact mode refuses (one line each): comm hooks, ``no_sync()`` (accumulation
 more slices), ``ddpkit.join`` (slices are equal by construction), layers that update
 buffers in forward (BatchNorm's running statistics: per slice they would depend on the
 slice order; a buffer changed any other way during a step is an error at its end),
-parameters on several devices, float64 parameters (the 53-bit fixed point would round
+parameters on several devices, float64 parameters (a fixed point of at most 53 bits would round
 them more than float64 summation does).
 """
 
@@ -69,7 +69,7 @@ def check_module(module: nn.Module, named_params: Sequence[tuple[str, nn.Paramet
         if p.dtype not in EXACT_DTYPES:
             raise ConfigError(
                 f"exact mode sums float32, bfloat16 and float16 gradients; parameter "
-                f"{n!r} is {p.dtype} (its 53-bit fixed-point sum would round float64 "
+                f"{n!r} is {p.dtype} (its fixed-point sum, at most 53 bits, would round float64 "
                 "more than float64 summation does)")
     for name, m in module.named_modules():
         if isinstance(m, _RUNNING_STATS) and getattr(m, "track_running_stats", False):
