@@ -104,3 +104,19 @@ def test_the_passes_use_the_cores_of_a_rank_unless_told(monkeypatch):
     assert exact_compile.sum_threads() == 1
     monkeypatch.setenv(exact_compile.THREADS_ENV, "3")
     assert exact_compile.sum_threads() == 3
+
+
+def test_a_worker_with_an_idle_executor_thread_exits():
+    """torch.compile leaves a ThreadPoolExecutor's worker thread waiting for work; a
+    training worker's exit (which joins non-daemon threads) must still end."""
+    import subprocess
+    import sys
+
+    program = ("from concurrent.futures import ThreadPoolExecutor\n"
+               "from ddpkit.train.entry import exit_process\n"
+               "pool = ThreadPoolExecutor(1)\n"
+               "pool.submit(print, 'compiled').result()\n"
+               "exit_process(0)\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout == "compiled\n", done.stderr

@@ -81,6 +81,11 @@ def exit_process(code: int) -> NoReturn:
     which destroys the process groups first (:mod:`ddpkit.lifetime`)."""
     if code != 0:
         sys.exit(code)
+    # As finalization does: first the hooks registered with threading (they stop the
+    # worker threads of concurrent.futures executors, e.g. torch.compile's compile
+    # pool, which would otherwise wait for work forever), then the joins.
+    for hook in reversed(getattr(threading, "_threading_atexits", [])):
+        hook()
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()

@@ -25,7 +25,7 @@ What exact mode refuses (one line each): comm hooks, ``no_sync()`` (accumulation
 more slices), ``ddpkit.join`` (slices are equal by construction), layers that update
 buffers in forward (BatchNorm's running statistics: per slice they would depend on the
 slice order; a buffer changed any other way during a step is an error at its end),
-parameters on several devices, float64 parameters (the 53-bit fixed point would round
+parameters on several devices, float64 parameters (a fixed point of at most 53 bits would round
 them more than float64 summation does).
 """
 
@@ -69,7 +69,7 @@ def check_module(module: nn.Module, named_params: Sequence[tuple[str, nn.Paramet
         if p.dtype not in EXACT_DTYPES:
             raise ConfigError(
                 f"exact mode sums float32, bfloat16 and float16 gradients; parameter "
-                f"{n!r} is {p.dtype} (its 53-bit fixed-point sum would round float64 "
+                f"{n!r} is {p.dtype} (its fixed-point sum, at most 53 bits, would round float64 "
                 "more than float64 summation does)")
     for name, m in module.named_modules():
         if isinstance(m, _RUNNING_STATS) and getattr(m, "track_running_stats", False):
@@ -105,6 +105,7 @@ class ExactReducer:
         # the sum's format ("int32", "float64"): fixed with V (the default depends on
         # it), or by a checkpoint (a run keeps the format it started with)
         self.sum_format: str | None = None
+        self._format_saved = False  # set by a checkpoint: kept whatever V is set after
         self.seed, self._requested_format = agreed_settings(
             transport, self.world_size, self.device, seed)
         if slices is not None:
@@ -154,7 +155,7 @@ class ExactReducer:
             raise ConfigError(f"exact mode: this run has {self.slice_count} slices; "
                               f"they cannot change to {v} in the middle of it")
         self.slice_count = v
-        if self.sum_format is None:
+        if not self._format_saved:
             self.sum_format = choose_format(v, self._requested_format)
 
     def state_dict(self) -> dict[str, Any]:
@@ -178,6 +179,7 @@ class ExactReducer:
                          "uninterrupted")
             self.sum_format = sum_format
             self._mean = None  # rebuilt in that format at the next step
+        self._format_saved = True
         if self.slice_count is None:
             self.set_slice_count(saved)
         self.step = int(state["step"])
