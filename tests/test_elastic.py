@@ -170,8 +170,10 @@ def test_a_host_lost_after_the_final_checkpoint_keeps_no_survivor_waiting(cluste
         wait_until("the final checkpoint", final.exists, 180, job)
         lost = time.monotonic()
         cluster.kill(cluster.hosts[2])
-        _finish(job, cluster.hosts[:2], timeout=60)
-        assert time.monotonic() - lost < 30
+        _finish(job, cluster.hosts[:2], timeout=90)
+        # torchrun's exit barrier would hold them 300 s; ~10 s on a quiet box (RESULTS.md),
+        # so 60 s tells the two apart also on a box loaded many times over.
+        assert time.monotonic() - lost < 60
         assert (job.run_dir / "summary.json").exists()
     finally:
         job.close()
