@@ -59,6 +59,14 @@ def run_routed_against_gloo(world) -> dict:
                         calls += 1
                         if got.shape != want.shape or not torch.equal(got, want):
                             mismatches.append(f"{dtype} {op} {shape} call {repeat}")
+                # a negative view (its bytes are not its values): same bits as gloo's
+                x = torch._neg_view(_values((6,), dtype, world.rank, seed))
+                want = x.clone()  # the values, as a plain tensor
+                gloo(want, op)
+                dist.all_reduce(x, op)
+                calls += 1
+                if not torch.equal(x, want):
+                    mismatches.append(f"{dtype} {op} negative view")
                 # a non-contiguous tensor of the same call: judged in full every time
                 x = _values((8, 6), dtype, world.rank, seed).t()
                 want = x.clone()

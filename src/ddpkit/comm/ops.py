@@ -48,14 +48,14 @@ TO_REDUCE_OP = {name: op for op, name in _FROM_REDUCE_OP.items()}
 # out, a, b -> out = a (op) b. `out` may alias `a`, which is how ranks reduce in place.
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
 
+# op -> the torch function whose out= form is its kernel (a caller on a hot path calls
+# it as f(a, b, out=out) itself, saving the kernel's own call)
+KERNEL_FUNCTIONS: dict[str, Callable] = {
+    "sum": torch.add, "product": torch.mul, "min": torch.minimum, "max": torch.maximum,
+    "band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor,
+}
 _KERNELS: dict[str, Kernel] = {
-    "sum": lambda out, a, b: torch.add(a, b, out=out),
-    "product": lambda out, a, b: torch.mul(a, b, out=out),
-    "min": lambda out, a, b: torch.minimum(a, b, out=out),
-    "max": lambda out, a, b: torch.maximum(a, b, out=out),
-    "band": lambda out, a, b: torch.bitwise_and(a, b, out=out),
-    "bor": lambda out, a, b: torch.bitwise_or(a, b, out=out),
-    "bxor": lambda out, a, b: torch.bitwise_xor(a, b, out=out),
+    name: (lambda out, a, b, fn=fn: fn(a, b, out=out)) for name, fn in KERNEL_FUNCTIONS.items()
 }
 
 
@@ -103,3 +103,8 @@ def check_op(op: str, dtype: torch.dtype, collective: str = "reduce") -> None:
 def kernel(op: str) -> Kernel:
     """The local reduction for ``op``; "avg" is a sum whose caller divides afterwards."""
     return _KERNELS["sum" if op == "avg" else op]
+
+
+def kernel_function(op: str) -> Callable:
+    """:func:`kernel`'s torch function, called as ``f(a, b, out=out)``."""
+    return KERNEL_FUNCTIONS["sum" if op == "avg" else op]

@@ -19,6 +19,14 @@ this holds, and to torch's own function, untouched, otherwise:
 Every condition is a property of the call's arguments, which are the same on every rank
 of a correct program, so all ranks of a group take the same road. ``restore`` puts
 torch's functions back.
+
+A repeated ``all_reduce`` (a metric, a loss: frameworks make one every step) is answered
+without judging the same group, op and dtype again: once a call on the default group has
+gone through ddpkit's full path, the path ``ddpkit.comm`` remembered for its like (the
+shared-memory communicator's small all-reduce, :mod:`ddpkit.comm.shm.direct`) is kept
+under the (group, dtype, op object) and called directly while the group is still the
+default one (by identity) and the algorithm table unchanged; the tensor's own properties,
+the caller and the thread are still checked on every call.
 """
 
 from __future__ import annotations

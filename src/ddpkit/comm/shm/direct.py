@@ -8,13 +8,16 @@ flattens the tensor, builds a meta tuple, publishes it word by word through nump
 :class:`DirectAllReduce` is bound to one communicator, op and dtype once, and per call
 does only the steps of the one-barrier small path (``_reduce_small``): copy the tensor
 into this call's area, publish (numel, signature word), barrier, check the peers'
-words, reduce every rank's area in rank order into the tensor. The tensor keeps its
+words, reduce every rank's area in rank order into the tensor (the reduction's torch
+function called with out=, as the generic path's kernel calls it). The tensor keeps its
 shape (the area views are made in it and remembered), so no flat view is made per
 call. Results are bit for bit those of the generic path, which it takes itself for a
 message above the small size and for a communicator that was closed.
 """
 
 from __future__ import annotations
+
+from ctypes import memmove
 
 import torch
 
@@ -34,17 +37,18 @@ class DirectAllReduce:
     generic path (each call is one call of the communicator's, either way).
     """
 
-    __slots__ = ("comm", "op", "word", "kernel", "divisor", "limit", "me", "areas",
-                 "published", "peers_meta", "rest")
+    __slots__ = ("comm", "op", "word", "reduce", "divisor", "limit", "itemsize", "me",
+                 "areas", "published", "peers_meta", "rest")
 
     def __init__(self, comm, op: str, dtype: torch.dtype, word: int):
         self.comm = comm
         self.op = op
         self.word = word
-        self.kernel = ops.kernel(op)
+        self.reduce = ops.kernel_function(op)  # called as reduce(a, b, out=tensor)
         # avg is a sum divided by the group size inside the pass (one host: size = local)
         self.divisor = comm.view.size if op == "avg" and comm.view.size != 1 else None
         self.limit = SMALL_BYTES // dtype.itemsize  # elements the small path takes
+        self.itemsize = dtype.itemsize
         control = comm.control
         self.me = comm.me
         self.areas: tuple[dict, dict] = ({}, {})  # per parity: shape -> every rank's view
@@ -56,15 +60,20 @@ class DirectAllReduce:
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         comm = self.comm
         numel = tensor.numel()
-        if numel > self.limit or comm._closed:
+        if numel > self.limit or comm._closed or tensor.is_neg():
+            # (a negative view's bytes are not its values: the generic path copies values)
             return comm.all_reduce(tensor, self.op, signature=self.word)
         parity = comm._calls & 1
         comm._calls += 1
         shape = tensor.shape
-        areas = self.areas[parity].get(shape)
-        if areas is None:
-            areas = self._areas(parity, shape, tensor.dtype)
-        areas[self.me].copy_(tensor)
+        found = self.areas[parity].get(shape)
+        if found is None:
+            found = self._areas(parity, shape, tensor.dtype)
+        areas, mine = found
+        if numel:
+            # the bytes of a contiguous CPU tensor into this rank's area: what copy_ does,
+            # without its dispatch
+            memmove(mine, tensor.data_ptr(), numel * self.itemsize)
         control = comm.control
         cells, word = control.cells, self.word
         at = self.published[parity]
@@ -76,18 +85,20 @@ class DirectAllReduce:
         for peer_at in self.peers_meta[parity]:
             if cells[peer_at] != numel or cells[peer_at + 1] != word:
                 comm._disagreed((numel, word, -1, -1), parity)
-        kernel = self.kernel
-        kernel(tensor, areas[0], areas[1])
+        reduce = self.reduce
+        reduce(areas[0], areas[1], out=tensor)
         for r in self.rest:
-            kernel(tensor, tensor, areas[r])
+            reduce(tensor, areas[r], out=tensor)
         if self.divisor is not None:
             tensor.div_(self.divisor)
         return tensor
 
-    def _areas(self, parity: int, shape: torch.Size, dtype: torch.dtype) -> list:
+    def _areas(self, parity: int, shape: torch.Size, dtype: torch.dtype) -> tuple:
+        """Every rank's area of this parity viewed in ``shape``, and where this rank's
+        starts."""
         nbytes = shape.numel() * dtype.itemsize
-        found = [a[:nbytes].view(dtype).view(shape) for a in self.comm._small[parity]]
+        areas = [a[:nbytes].view(dtype).view(shape) for a in self.comm._small[parity]]
         if len(self.areas[parity]) >= _MAX_SHAPES:  # many distinct shapes: do not grow forever
             self.areas[parity].clear()
-        self.areas[parity][shape] = found
+        found = self.areas[parity][shape] = (areas, self.comm._small[parity][self.me].data_ptr())
         return found
