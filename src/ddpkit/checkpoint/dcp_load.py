@@ -33,7 +33,12 @@ from ddpkit.checkpoint.dcp_files import (
     single_process_quiet,
 )
 from ddpkit.checkpoint.dcp_state import is_sharded, optimizer_from_names
-from ddpkit.checkpoint.model_state import check_model_state, load_model_state, unwrap
+from ddpkit.checkpoint.model_state import (
+    check_model_state,
+    load_model_state,
+    strip_module_prefix,
+    unwrap,
+)
 from ddpkit.errors import DdpkitError
 from ddpkit.parallel.zero.sharded_state import FORMAT as SHARDED_FORMAT
 
@@ -48,6 +53,15 @@ def _meta(md: Any) -> Any:
     if isinstance(md, TensorStorageMetadata):
         return torch.empty(md.size, dtype=md.properties.dtype, device="meta")
     return None
+
+
+def _live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own tensors, by name, for DCP to read into in place (no second copy
+    of the model in memory); none under ZeRO-3, whose module tensors come and go."""
+    if getattr(model, "shard", "none") == "parameters":
+        return {}
+    return {k: v for k, v in strip_module_prefix(unwrap(model).state_dict()).items()
+            if isinstance(v, torch.Tensor)}
 
 
 def _optimizer_entries(md: Mapping[str, Any], prefix: str) -> tuple[dict, dict]:
@@ -84,7 +98,9 @@ def load_dcp(directory: str | Path, model: torch.nn.Module | None = None,
             gather()
         saved = {k[len(model_prefix):]: v for k, v in md.items() if k.startswith(model_prefix)}
         check_model_state(model, {k: _meta(v) for k, v in saved.items()}, source)
-        target.update({model_prefix + k: _empty(v, device) for k, v in saved.items()})
+        live = _live_tensors(model)
+        target.update({model_prefix + k: live.get(k, _empty(v, device)) if isinstance(
+            v, TensorStorageMetadata) else None for k, v in saved.items()})
     state_keys, group_keys = _optimizer_entries(md, optimizer_prefix)
     plan = None
     if optimizer is not None:
@@ -96,8 +112,13 @@ def load_dcp(directory: str | Path, model: torch.nn.Module | None = None,
     except CheckpointException as err:
         raise CheckpointError(f"{source}: cannot load it: {failure_text(err)[0]}") from None
     if model is not None:
-        load_model_state(model, {k[len(model_prefix):]: v for k, v in target.items()
-                                 if k.startswith(model_prefix)}, source)
+        loaded = {k[len(model_prefix):]: v for k, v in target.items()
+                  if k.startswith(model_prefix)}
+        if live:  # read in place: only what DCP stored as bytes is left to load
+            unwrap(model).load_state_dict({k: v for k, v in loaded.items() if k not in live},
+                                          strict=False)
+        else:
+            load_model_state(model, loaded, source)
     if optimizer is not None:
         _apply_optimizer(model, optimizer, target, plan, keep_groups, source)
 
