@@ -120,9 +120,10 @@ def _sharded_optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> di
     common, mine = model.optimizer_shard_state(optimizer)
     names = [n.removeprefix("module.") for n in model.reducer.names]
     shapes = {n: tuple(p.shape) for n, p in zip(names, model.reducer.params)}
+    order = {n: i for i, n in enumerate(names)}.__getitem__  # registration order
     piece_name = {id(p): n.removeprefix("module.") for n, p in model.named_parameters()}
     groups = [sorted({piece_name[id(p)] for p in g["params"] if id(p) in piece_name},
-                     key=names.index) for g in optimizer.param_groups]
+                     key=order) for g in optimizer.param_groups]
     spans = {(n, key): (start, stop) for n, entries in mine["pieces"].items()
              for start, stop, key, _ in entries}
     everyone: list[Any] = [(groups, spans)]
@@ -137,7 +138,7 @@ def _sharded_optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> di
             state.setdefault(n, {})[key] = sharded(tensor, start, stop, shapes[n], ranks)
     for n, values in mine["scalars"].items():
         state.setdefault(n, {}).update(values)
-    members = [sorted({n for found in everyone for n in found[0][g]}, key=names.index)
+    members = [sorted({n for found in everyone for n in found[0][g]}, key=order)
                for g in range(len(optimizer.param_groups))]
     return {"state": state,
             "param_groups": [{**g, "params": m} for g, m in zip(common["param_groups"], members)]}
