@@ -83,7 +83,11 @@ def sharded(flat: torch.Tensor, start: int, stop: int, shape: tuple[int, ...],
                    ShardMetadata(list(off), list(size), f"rank:{_rank()}/{where}"))
              for off, size, s, e in boxes(start, stop, shape)]
     meta = ShardedTensorMetadata(shards_md, torch.Size(shape), _props(flat))
-    return ShardedTensorBase._init_from_local_shards_and_global_metadata(local, meta)
+    tensor = ShardedTensorBase._init_from_local_shards_and_global_metadata(local, meta)
+    # torch's sharded ops (``size()``, which DCP's load planner asks) take the group from
+    # here; the base constructor leaves it unset. None: the default group.
+    tensor._process_group = None
+    return tensor
 
 
 # ---------------------------------------------------------------------- saving
