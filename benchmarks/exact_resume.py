@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ddpkit.train.report import read_jsonl
+from ddpkit.loop.metrics_log import read_records
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS_PER_EPOCH = 15  # digits: 1438 training samples, global batch 96 (the last padded)
@@ -97,7 +97,7 @@ def _compare(run: Path, reference: Path) -> dict:
     diff = max((mine[k].double() - ref[k].double()).abs().max().item() for k in ref)
     equal = mine.keys() == ref.keys() and all(torch.equal(mine[k], ref[k]) for k in ref)
     accs = [(a["test_acc"], b["test_acc"]) for a, b in
-            zip(read_jsonl(run / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl"),
+            zip(read_records(run / "metrics.jsonl"), read_records(reference / "metrics.jsonl"),
                 strict=True)]
     return {"max_abs_diff": diff, "equal": equal,
             "test_acc_diff": max(abs(a - b) for a, b in accs), "final_acc": accs[-1][0]}

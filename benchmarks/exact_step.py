@@ -53,9 +53,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddpkit
-from ddpkit.bench.output import write_json
+from ddpkit.bench.output import save_json
 from ddpkit.host_malloc import worker_malloc_env
 from ddpkit.parallel.exact.exact_sum import ExactMean
+from ddpkit.parallel.exact.exact_sum32 import ExactMean32
 from ddpkit.parallel.exact.exact_transport import ExactTransport
 from ddpkit.slice_count import default_slices
 from ddpkit.train.models import MLP
@@ -169,6 +170,7 @@ def _cases(opts: dict) -> list[tuple[str, int, int, int]]:
 def worker(world: ddpkit.World, opts: dict) -> dict:
     torch.set_num_threads(1)
     _instrument()
+    _instrument(transport=None, mean=ExactMean32)  # the default format's sum
     baseline = None
     if opts["baseline_src"]:
         baseline, baseline_sum = _load_baseline(opts["baseline_src"])
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
               "loadavg_after": load_after}
     if args.json:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-        print(f"\nwrote {write_json(args.json, report, indent=2, final_newline=True)}")
+        print(f"\nwrote {save_json(args.json, report, indent=2, final_newline=True)}")
     return 0
 
 

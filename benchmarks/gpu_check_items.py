@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 import ddpkit
 from ddpkit.comm.auto import algo_for
-from ddpkit.jsonfiles import json_safe, write_atomic
+from ddpkit.durable import write_atomic
+from ddpkit.jsonfiles import json_safe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_check_lib import (  # noqa: E402

@@ -30,8 +30,8 @@ def main() -> int:
     commands = []
     for row in published.read_rows(args.csv):
         commands.append(published.command(row))
-        plain = {c.gpus: c for c in published.predict(row, spread=0.0)}
-        for c in published.predict(row):
+        plain = {c.gpus: c for c in published.predict_row(row, spread=0.0)}
+        for c in published.predict_row(row):
             worst = max(worst, abs(c.error))
             print(f"| {c.model} | {c.gpus} | {c.published_s * 1e3:.0f} ms | "
                   f"{c.predicted_s * 1e3:.1f} ms | {c.error:+.1%} | {plain[c.gpus].error:+.1%} |")

@@ -79,10 +79,17 @@ MUTATIONS = (
     ),
     Mutation(
         "resume-from-the-prefetched-sampler-position",
-        "ddpkit/loop/run.py",
+        "ddpkit/loop/run_checkpoints.py",
         '"position": self.run.position}',
         '"position": self.run.sampler.position}',
         ("tests/test_own_loop.py", "-k", "killed_worker"),
+    ),
+    Mutation(
+        "resume-drops-the-metrics-record-of-its-own-step",
+        "ddpkit/loop/metrics_log.py",
+        'if int(r.get("step", step + 1)) <= step]',
+        'if int(r.get("step", step + 1)) < step]',
+        ("tests/test_metric_log.py",),
     ),
     Mutation(
         "initial-broadcast-copies-the-wrong-way",

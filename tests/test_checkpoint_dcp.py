@@ -143,3 +143,57 @@ def test_model_weights_of_a_checkpoint_read_without_a_model(tmp_path):
     read = read_model_state(path)
     assert read.keys() == model.state_dict().keys()
     assert all(torch.equal(read[k], v) for k, v in model.state_dict().items())
+
+
+# ------------------------------------------------------------------ tied weights
+class _Tied(torch.nn.Module):
+    """Input and output embeddings tied, as GPT-style models are (examples/50_own_loop.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = torch.nn.Embedding(7, 4)
+        self.head = torch.nn.Linear(4, 7, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        return self.head(self.tok(idx))
+
+
+def _tied_steps(run_dir, until):
+    """A one-process Run over the tied model; its step, weights and optimizer state."""
+    import ddpkit
+    from ddpkit.data import ShardSampler
+
+    torch.manual_seed(0)
+    model = _Tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    data = torch.randint(0, 7, (32,))
+    with ddpkit.Run(Path(run_dir), model=model, optimizer=opt,
+                    sampler=ShardSampler(data, global_batch_size=8, seed=1)) as run:
+        resumed_at = run.step
+        for _ in run.epochs(1):
+            for batch in run.batches():
+                if run.step >= until:  # a resumed run is compared where it stands
+                    break
+                opt.zero_grad()
+                F.cross_entropy(model(data[batch.indices]), data[batch.indices]).backward()
+                opt.step()
+                run.step_done()
+                if run.step == until:
+                    run.save("periodic")
+    return resumed_at, model, opt
+
+
+def test_a_tied_weight_is_keyed_as_torch_keys_it_and_resumes(tmp_path):
+    _, model, opt = _tied_steps(tmp_path / "run", 2)
+    newest = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))[-1]
+    saved = dcp.FileSystemReader(newest).read_metadata().state_dict_metadata
+    _, torch_names = get_state_dict(model, opt)
+    ours = {k.split(".")[2] + "." + k.split(".")[3] for k in saved
+            if k.startswith("optimizer.state.")}
+    assert ours == set(torch_names["state"]) == {"tok.weight"}  # the first name, as torch's
+    resumed_at, again, opt_again = _tied_steps(tmp_path / "run", 2)
+    assert resumed_at == 2
+    assert torch.equal(again.tok.weight, model.tok.weight) and again.head.weight is again.tok.weight
+    state, state_again = opt.state_dict()["state"], opt_again.state_dict()["state"]
+    assert all(torch.equal(state[0][k], state_again[0][k]) for k in ("exp_avg", "exp_avg_sq"))

@@ -89,7 +89,7 @@ def test_sweep_on_three_ranks_other_collective(pools):
     for row in rows:
         assert row["nranks"] == 3 and row["elements"] % 3 == 0
         assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * 2 / 3)
-    table = bench.format_table(bench.BenchResult(cfg, [bench.Row(**r) for r in rows]))
+    table = bench.collectives_table(bench.BenchResult(cfg, [bench.Row(**r) for r in rows]))
     assert "ring/backend" in table and "busbw factor 0.667" in table
 
 
@@ -120,15 +120,24 @@ def signatures_each_shm_column_passes(world) -> dict:
     """The ``signature=`` every column hands ShmCommunicator.all_reduce, per column."""
     from ddpkit.bench import shm as shm_bench
     from ddpkit.comm.shm import ShmCommunicator
+    from ddpkit.comm.shm.direct import DirectAllReduce
 
     seen: list = []
-    original = ShmCommunicator.all_reduce
+    original, direct = ShmCommunicator.all_reduce, DirectAllReduce.__call__
 
     def spy(self, tensor, op="sum", **kwargs):
         seen.append(kwargs.get("signature"))
         return original(self, tensor, op, **kwargs)
 
+    def direct_spy(self, tensor):  # a repeated public call: the word it was bound to
+        seen.append(self.word)
+        calls = len(seen)
+        result = direct(self, tensor)
+        del seen[calls:]  # its own fallback to the generic path is the same call
+        return result
+
     ShmCommunicator.all_reduce = spy
+    DirectAllReduce.__call__ = direct_spy
     try:
         with ShmCommunicator(timeout=60) as comm:
             private = torch.ones(256)
@@ -140,6 +149,7 @@ def signatures_each_shm_column_passes(world) -> dict:
                 out[name] = list(seen)
     finally:
         ShmCommunicator.all_reduce = original
+        DirectAllReduce.__call__ = direct
     return out
 
 
@@ -158,7 +168,7 @@ def test_shm_bench_rows_and_verdicts(pools):
     assert {(r["algo"], r["bytes"]) for r in rows} == {
         (a, s) for a in shm_bench.ALGOS for s in (1024, 100_000)}
     assert all(r["time_us"] > 0 for r in rows)
-    table = shm_bench.format_table(rows, 2)
+    table = shm_bench.shm_table(rows, 2)
     assert "in-band check cost (shm-signed vs shm-copy): worst" in table
     assert "spread between identical runs" in table
     assert "default check cost" not in table

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from conftest import ROOT
 from ddpkit import console as console_mod
-from ddpkit.console import MAX_COLUMNS, Console, columns, describe
+from ddpkit.console import MAX_COLUMNS, Console, columns, progress_text
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -61,7 +61,7 @@ def test_on_a_terminal_rank_0s_lines_lose_the_tee_prefix_and_other_ranks_keep_th
 def test_the_status_line_fits_the_terminal_and_never_exceeds_100_columns(monkeypatch):
     record = {"step": 5, "total_steps": 10, "epoch": 1, "epochs": 2, "samples_per_s": 1e6,
               "loss": 0.5, "peak_rss_mib": [1000 + r for r in range(64)], "eta_s": 1.0}
-    assert describe(record, 1.0).count("peak RSS 1063 MiB") == 1  # the highest rank's
+    assert progress_text(record, 1.0).count("peak RSS 1063 MiB") == 1  # the highest rank's
     for width, fits in ((300, MAX_COLUMNS), (60, 60)):
         monkeypatch.setattr(console_mod.os, "get_terminal_size",
                             lambda fd, w=width: os.terminal_size((w, 24)))
@@ -97,8 +97,8 @@ def test_plain_lines_default_to_a_tenth_of_the_run_and_prefer_rank_0s_eta():
     lines = err.getvalue().splitlines()
     assert len(lines) == 10 and lines[0].startswith("progress: step 10/100")
     assert lines[0].endswith("ETA 1m30s") and lines[-1].endswith("ETA 0s")
-    assert describe({"step": 3}, None) == "step 3 | ETA ?"  # a terminal's first redraw
-    assert describe({"step": 3, "peak_rss_mib": [405, 412]}, None) == (
+    assert progress_text({"step": 3}, None) == "step 3 | ETA ?"  # a terminal's first redraw
+    assert progress_text({"step": 3, "peak_rss_mib": [405, 412]}, None) == (
         "step 3 | peak RSS 412 MiB | ETA ?")
 
 

@@ -240,7 +240,7 @@ def run_conflicts(world):
 
 def _verify(world, cfg_dict):
     from ddpkit.train.config import Config
-    from ddpkit.train.verify import verify
+    from ddpkit.train.equivalence import verify
 
     result = verify(Config.from_dict(cfg_dict), world, steps=6, dtype="float32")
     return None if result is None else result.__dict__

@@ -217,7 +217,8 @@ class PageRun:
 
 def run_page_alone(page: str, tmp_path: Path) -> PageRun:
     """Run the page's toml, shell and one-process blocks; collect its 2-rank blocks."""
-    from ddpkit.train.config import Config, read_toml
+    from ddpkit.train.config import Config
+    from ddpkit.train.config_values import read_toml
 
     cwd = scratch(tmp_path)
     result = PageRun(page, [], [])
@@ -230,7 +231,7 @@ def run_page_alone(page: str, tmp_path: Path) -> PageRun:
             if b.lang == "toml":
                 path = cwd / f"block_{n:02d}.toml"
                 path.write_text(b.code)
-                Config().update(read_toml(path), source=b.where)
+                Config().replaced((read_toml(path), b.where))
                 continue
             if b.lang in ("sh", "bash"):
                 args = b.marker.removeprefix("run with:").strip() if b.marker.startswith(

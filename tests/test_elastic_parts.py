@@ -90,11 +90,11 @@ def test_the_step_note_says_the_step_and_how_the_workers_ended(tmp_path):
 
 def test_the_change_line_names_the_hosts_and_the_steps():
     lost = {"lost": ["10.0.0.3"], "joined": [], "hosts": 2, "after_step": 1005}
-    assert host_change.describe(lost, 990) == (
+    assert host_change.change_line(lost, 990) == (
         "host 10.0.0.3 lost after step 1005; continuing on 2 hosts from step 990")
     both = {"lost": ["10.0.0.2", "10.0.0.3"], "joined": ["10.0.0.9"], "hosts": 1,
             "after_step": None}
-    assert host_change.describe(both, 0) == (
+    assert host_change.change_line(both, 0) == (
         "hosts 10.0.0.2, 10.0.0.3 lost and host 10.0.0.9 joined; continuing on 1 host "
         "from step 0")
 

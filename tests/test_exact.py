@@ -46,7 +46,7 @@ def _trainer_params(world, cfg_dict, run_dir=None, stop_at=None, restore=False):
                           write=run_dir is not None)
         if stop_at is not None and world.rank == 0:
             trainer.step_callbacks.append(
-                lambda t: t.preemption.request() if t.loop.step == stop_at else None)
+                lambda t: t.preemption.request() if t.run.step == stop_at else None)
         if restore:
             trainer.restore(required=True)
         trainer.fit()
@@ -54,7 +54,7 @@ def _trainer_params(world, cfg_dict, run_dir=None, stop_at=None, restore=False):
         logger.removeHandler(handler)
         logger.setLevel(level)
     return {"params": [p.detach().clone() for p in unwrap(trainer.model).parameters()],
-            "step": trainer.loop.step, "preempted": trainer.preempted, "log": lines}
+            "step": trainer.run.step, "preempted": trainer.preempted, "log": lines}
 
 
 def _restoring(world, fn, *args):
@@ -212,6 +212,39 @@ def test_run_with_a_dataloader_continues_at_another_world_size_with_the_same_bit
     assert _same(resumed["params"], full[0]["params"])
 
 
+def _with_sum_format(world, sum_format, fn, *args):
+    """``fn(world, *args)`` with ``$DDPKIT_EXACT_SUM`` set to ``sum_format`` (None: unset,
+    the default format)."""
+    import os
+
+    before = os.environ.pop("DDPKIT_EXACT_SUM", None)
+    if sum_format is not None:
+        os.environ["DDPKIT_EXACT_SUM"] = sum_format
+    try:
+        return fn(world, *args)
+    finally:
+        os.environ.pop("DDPKIT_EXACT_SUM", None)
+        if before is not None:
+            os.environ["DDPKIT_EXACT_SUM"] = before
+
+
+def test_a_run_started_with_the_float64_sum_continues_with_it_at_another_world_size(
+        pools, tmp_path):
+    """The default is the int32 sum; a run whose checkpoint says float64 resumes in
+    float64 (the same bits as uninterrupted), not in the default."""
+    full = pools(2).run(_restoring, _with_sum_format, "float64", _run_loop,
+                        str(tmp_path / "full"))
+    pools(2).run(_restoring, _with_sum_format, "float64", _run_loop, str(tmp_path / "run"), 3)
+    (resumed,) = pools(1).run(_restoring, _with_sum_format, None, _run_loop,
+                              str(tmp_path / "run"))
+    assert resumed["step"] == 10
+    assert _same(resumed["params"], full[0]["params"])
+    # the formats round differently: the check above tells which one the resume used
+    (int32,) = pools(1).run(_restoring, _with_sum_format, None, _run_loop,
+                            str(tmp_path / "int32"))
+    assert not _same(int32["params"], full[0]["params"])
+
+
 def _unused_parameter(world):
     import ddpkit
 
@@ -278,7 +311,7 @@ def test_slices_that_skip_a_branch_give_the_same_gradients_at_every_world_size(p
 def _verify(world, cfg_dict, per_rank_seed=False):
     import ddpkit
     from ddpkit.train.config import Config
-    from ddpkit.train.verify import verify
+    from ddpkit.train.equivalence import verify
 
     def wrap(module, engine, device):  # a broken engine: each rank its own streams
         model = ddpkit.DataParallel(module, exact=True, slices=12)

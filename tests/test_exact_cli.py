@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from ddpkit.fault import EXIT_PREEMPTED
+from ddpkit.loop.metrics_log import read_records
 from ddpkit.loop.sample_ids import read_sample_logs
-from ddpkit.train.report import read_jsonl
 from test_exact import DROPOUT, _restoring, _trainer_params
 from test_train_fault import _assert_same_params, _finish, _start
 from test_train_fault import _env as fault_env
@@ -47,7 +47,7 @@ def _train(*argv: str, **env: str) -> tuple[int, str]:
 def _assert_test_metrics_equal(run: Path, reference: Path) -> None:
     """Held-out checks of the same weights: the same accuracy; the same loss, which at
     another world size is summed over other batches (each rank's float32 sum)."""
-    mine, ref = read_jsonl(run / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")
+    mine, ref = read_records(run / "metrics.jsonl"), read_records(reference / "metrics.jsonl")
     assert [r["epoch"] for r in mine] == list(range(1, EPOCHS + 1))
     for a, b in zip(mine, ref, strict=True):
         assert a["test_acc"] == b["test_acc"]

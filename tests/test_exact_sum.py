@@ -15,9 +15,25 @@ import torch
 
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
-from ddpkit.parallel.exact.exact_sum import ExactMean, fixed_point_bits
+from ddpkit.parallel.exact.exact_sum import fixed_point_bits
+from ddpkit.parallel.exact.exact_sum32 import (
+    INT32_MAX_TERMS,
+    choose_format,
+    int32_bits,
+    make_mean,
+)
 from ddpkit.parallel.exact.slices import owned_slices, slice_positions, slice_rng, slice_seed
 from ddpkit.slice_count import check_slices, default_slices, world_sizes
+
+
+@pytest.fixture(params=["int32", "float64"])
+def fmt(request) -> str:
+    """Each test of the mean runs on both formats of the sum."""
+    return request.param
+
+
+def _bits_of_format(fmt: str, v: int) -> int:
+    return int32_bits(v) if fmt == "int32" else fixed_point_bits(v)
 
 
 def _terms(v: int, n: int, seed: int = 0) -> torch.Tensor:
@@ -36,7 +52,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
-def _grouped_mean(terms, groups: list[list[int]], order: list[int], *,
+def _grouped_mean(fmt, terms, groups: list[list[int]], order: list[int], *,
                   segments: list[int] | None = None) -> torch.Tensor:
     """The mean computed as ranks would: each group is one rank's rows; the MAX and SUM
     all-reduces are done here, the SUM in the given order of groups. ``terms``: a
@@ -45,7 +61,7 @@ def _grouped_mean(terms, groups: list[list[int]], order: list[int], *,
         v, n = terms.shape
     else:
         v, n = len(terms), sum(segments)
-    ranks = [ExactMean(len(g), n, v, segments=segments) for g in groups]
+    ranks = [make_mean(fmt, len(g), n, v, segments=segments) for g in groups]
 
     def rows(group):  # per segment: the group's terms (the first segment stacked)
         if segments is None:
@@ -68,18 +84,23 @@ def _grouped_mean(terms, groups: list[list[int]], order: list[int], *,
     return ranks[0].decode(torch.empty(n))
 
 
-@pytest.mark.parametrize("v", [1, 2, 3, 12])
-def test_mean_is_within_its_bound_and_never_worse_than_float32(v):
+@pytest.mark.parametrize("v", [1, 2, 3, 12, INT32_MAX_TERMS])
+def test_mean_is_within_its_bound_and_never_worse_than_float32(fmt, v):
     terms = _terms(v, 8_000, seed=v)
-    got = ExactMean(v, terms.shape[1], v).mean(terms, torch.empty(terms.shape[1])).double()
+    got = make_mean(fmt, v, terms.shape[1], v).mean(terms, torch.empty(terms.shape[1])).double()
     exact = terms.double().sum(0) / v
     plain = (terms.sum(0) / v).double()
     finite = torch.isfinite(exact)
     err, plain_err = (got - exact).abs()[finite], (plain - exact).abs()[finite]
-    bound = ((2.0**-24 + 2.0**-53) * exact.abs() + 2.0**-fixed_point_bits(v)
+    bound = ((2.0**-24 + 2.0**-53) * exact.abs() + 2.0**-_bits_of_format(fmt, v)
              * terms.double().abs().amax(0) + 2.0**-150)[finite]
     assert (err <= bound).all()
-    assert (err <= plain_err).all()
+    # never worse than float32 summation's own bound (u |g| + (V - 1) u sum_k |g_k| / V)
+    float32_bound = (2.0**-24 * (exact.abs() + (v - 1) * terms.double().abs().sum(0) / v)
+                     + 2.0**-150)[finite]
+    assert (err <= float32_bound).all()
+    if fmt == "float64":  # its terms round 2^28 times finer than a float32 sum: better
+        assert (err <= plain_err).all()  # on every element (not a promise of int32's)
     assert got[3] == terms[0, 3]  # no overflow in the sum (float32's does, from 2 terms)
     assert torch.isinf(plain[3]) == (v > 1)
     assert got[4] == exact[4]
@@ -87,24 +108,24 @@ def test_mean_is_within_its_bound_and_never_worse_than_float32(v):
         assert torch.equal(_bits(got.float()), _bits(terms[0] + 0.0))
 
 
-def test_same_bits_for_every_grouping_and_order():
+def test_same_bits_for_every_grouping_and_order(fmt):
     v = 12
     terms = _terms(v, 4_000, seed=5)
-    reference = _bits(ExactMean(v, terms.shape[1], v).mean(terms, torch.empty(4_000)))
+    reference = _bits(make_mean(fmt, v,  terms.shape[1], v).mean(terms, torch.empty(4_000)))
     rng = random.Random(1)
     for world in (2, 3, 4, 6, 12):
         slices = list(range(v))
         rng.shuffle(slices)
         groups = [slices[r::world] for r in range(world)]
         order = rng.sample(range(world), world)
-        assert torch.equal(_bits(_grouped_mean(terms, groups, order)), reference), world
+        assert torch.equal(_bits(_grouped_mean(fmt, terms, groups, order)), reference), world
     # The plain float32 sum of the same rows does depend on the grouping.
     a = terms[:6].sum(0) + terms[6:].sum(0)
     b = terms[0::2].sum(0) + terms[1::2].sum(0)
     assert not torch.equal(a, b)
 
 
-def test_rows_of_per_parameter_gradients_give_the_bits_of_one_tensor():
+def test_rows_of_per_parameter_gradients_give_the_bits_of_one_tensor(fmt):
     """A slice's gradients summed where autograd left them (one tensor per parameter,
     missing for a parameter the slice did not use) or stacked give the bits of the same
     terms copied into rows with zeros, for every grouping; segments span several
@@ -121,16 +142,16 @@ def test_rows_of_per_parameter_gradients_give_the_bits_of_one_tensor():
                 row[j] = None
         rows.append(row)
     n = sum(segments)
-    reference = _bits(ExactMean(v, n, v).mean(terms, torch.empty(n)))
-    got = _grouped_mean(rows, [list(range(v))], [0], segments=segments)
+    reference = _bits(make_mean(fmt, v, n, v).mean(terms, torch.empty(n)))
+    got = _grouped_mean(fmt, rows, [list(range(v))], [0], segments=segments)
     assert torch.equal(_bits(got), reference)
     for groups, order in (([[0, 3, 5, 6], [1, 2, 4, 7]], [1, 0]),
                           ([[7, 1], [0, 6], [3, 4], [2, 5]], [2, 0, 3, 1])):
-        assert torch.equal(_bits(_grouped_mean(rows, groups, order, segments=segments)),
+        assert torch.equal(_bits(_grouped_mean(fmt, rows, groups, order, segments=segments)),
                            reference), groups
     # A rank none of whose rows has a segment contributes zeros to its max, whatever
     # the instance held before.
-    mean = ExactMean(2, n, v, segments=segments)
+    mean = make_mean(fmt, 2, n, v, segments=segments)
     mean.local_max([list(c) for c in (terms[:2] * 1e30).split(segments, dim=1)])
     start = sum(segments[:2])
     mine = [[rows[k][j] for k in (0, 3) if rows[k][j] is not None]
@@ -138,23 +159,27 @@ def test_rows_of_per_parameter_gradients_give_the_bits_of_one_tensor():
     assert (mean.local_max(mine)[start:start + segments[2]] == 0).all()
 
 
-def test_non_finite_terms_give_the_same_non_finite_result_everywhere():
+def test_non_finite_terms_give_the_same_non_finite_result_everywhere(fmt):
     v = 4
-    terms = torch.ones(v, 4)
+    terms = torch.ones(v, 6)
     terms[1, 0] = float("inf")
     terms[2, 1] = float("nan")
     terms[0, 2], terms[3, 2] = float("inf"), float("-inf")
-    one = ExactMean(v, 4, v).mean(terms, torch.empty(4))
-    two = _grouped_mean(terms, [[3, 1], [0, 2]], [1, 0])
+    terms[1:, 4] = float("-inf")
+    terms[0, 5] = -3e38
+    one = make_mean(fmt, v, 6, v).mean(terms, torch.empty(6))
+    two = _grouped_mean(fmt, terms, [[3, 1], [0, 2]], [1, 0])
     assert torch.isinf(one[0]) and one[0] > 0
     assert torch.isnan(one[1]) and torch.isnan(one[2])
     assert one[3] == 1.0
+    assert torch.isinf(one[4]) and one[4] < 0
+    assert one[5] == torch.tensor(-3e38 + 3.0).float() / v
     assert torch.equal(_bits(one), _bits(two))
 
 
-def test_extra_values_ride_along_in_the_max():
+def test_extra_values_ride_along_in_the_max(fmt):
     terms = torch.randn(2, 10)
-    mean = ExactMean(2, 10, 4, extra=3)
+    mean = make_mean(fmt, 2, 10, 4, extra=3)
     flags = torch.tensor([0.0, 1.0, 0.0])
 
     def others_used_the_first(t):  # another rank: parameter 0 used there
@@ -162,6 +187,24 @@ def test_extra_values_ride_along_in_the_max():
 
     mean.mean(terms, torch.empty(10), all_reduce_max=others_used_the_first, extra_max=flags)
     assert flags.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_the_int32_format_serves_up_to_63_slices_and_float64_above():
+    assert [int32_bits(v) for v in (1, 2, 3, 4, 8, 12, 63)] == [30, 29, 29, 28, 27, 27, 25]
+    assert choose_format(63) == "int32" and choose_format(64) == "float64"
+    assert choose_format(12, "float64") == "float64"
+    with pytest.raises(ConfigError, match="at most 63 slices.*DDPKIT_EXACT_SUM=float64"):
+        choose_format(64, "int32")
+    with pytest.raises(ConfigError, match="one of int32, float64"):
+        choose_format(8, "int16")
+    # 63 terms of the largest integer P allows, any order, stay inside int32
+    assert INT32_MAX_TERMS * 2**int32_bits(INT32_MAX_TERMS) < 2**31
+    mean = make_mean("int32", 63, 4, 63)
+    terms = torch.full((63, 4), -1.999999)  # just below 2^e: about -2^P each
+    q = round(float(terms[0, 0]) * 2**24)  # its grid: 2^(e - P) = 2^-24
+    assert 2**25 - 64 < -q < 2**25
+    got = mean.mean(terms, torch.empty(4))
+    assert (mean.total == 63 * q).all() and torch.equal(got, terms[0])
 
 
 def test_default_slices_serve_the_most_world_sizes():

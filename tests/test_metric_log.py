@@ -9,7 +9,14 @@ import json
 import pytest
 
 from ddpkit.errors import ConfigError
-from ddpkit.loop.metrics_log import CSV_FILE, JSONL_FILE, TB_DIR, MetricLog
+from ddpkit.loop.metrics_log import (
+    CSV_FILE,
+    JSONL_FILE,
+    TB_DIR,
+    MetricLog,
+    read_records,
+    truncate_records,
+)
 
 
 def records(steps, scale=1.0):
@@ -56,6 +63,23 @@ def test_a_resumed_run_replaces_the_steps_it_replays_in_tensorboard(tmp_path):
     loss = tensorboard_scalars(tmp_path)["loss"]
     assert [s for s, _ in loss] == [1, 2, 3, 4, 5, 6]
     assert [v for _, v in loss] == pytest.approx([1, 1 / 2, 1 / 3, 2 / 4, 2 / 5, 2 / 6])
+
+
+def test_a_resume_keeps_the_records_up_to_its_step_in_every_file(tmp_path):
+    """Resumed from the checkpoint of step 3 after a crash mid-line at step 5: the
+    records of steps 1-3 stay in metrics.jsonl and metrics.csv, nothing else does, and
+    the rewrite leaves no temporary file behind."""
+    log = MetricLog(tmp_path, log_with=("jsonl", "csv"))
+    for r in records(range(1, 6)):
+        log.write(r)
+    log.close()
+    with (tmp_path / JSONL_FILE).open("a") as fh:
+        fh.write('{"step": 6, "lo')  # the crash
+    truncate_records(tmp_path, 3)
+    assert read_records(tmp_path / JSONL_FILE) == records([1, 2, 3])
+    with (tmp_path / CSV_FILE).open() as fh:
+        assert [int(r["step"]) for r in csv.DictReader(fh)] == [1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CSV_FILE, JSONL_FILE]
 
 
 def test_unknown_writer_is_one_line():

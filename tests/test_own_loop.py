@@ -109,7 +109,7 @@ def test_uninterrupted_run_learns_and_logs(reference):
     assert records[-1]["loss"] < records[0]["loss"] - 0.5  # it learns from the text
     assert records[0]["lr"] > records[-1]["lr"]  # the cosine decays
     assert all(r["grad_norm"] > 0 for r in records)
-    manifests = sorted((reference / "checkpoints").glob("step_*.json"))
+    manifests = sorted((reference / "checkpoints").glob("step_*/manifest.json"))
     assert json.loads(manifests[-1].read_text())["reason"] == "final"
 
 

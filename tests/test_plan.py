@@ -297,7 +297,7 @@ def test_published_torch_ddp_rows_within_three_percent():
     rows = published.read_rows(PUBLISHED_CSV)
     assert {r.model for r in rows} >= {"resnet50", "resnext50_32x4d"}
     for row in rows:
-        predicted = published.predict(row)
+        predicted = published.predict_row(row)
         assert [c.gpus for c in predicted] == [1, 2, 4, 8, 16], row.model
         for c in predicted:
             assert abs(c.error) <= 0.03, (c, published.command(row))

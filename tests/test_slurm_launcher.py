@@ -23,7 +23,7 @@ import pytest
 
 from conftest import ROOT
 from ddpkit import ConfigError, cli, torchrun_args
-from ddpkit.slurm import AGENT_SIGNALS, SlurmJob, render, write
+from ddpkit.slurm_script import AGENT_SIGNALS, SlurmJob, render, write
 from test_multinode import TRAIN_ARGS, assert_same_training, reference_run
 
 JOB_ID = "4343"

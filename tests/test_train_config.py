@@ -20,6 +20,31 @@ def test_defaults_file_then_command_line(tmp_path):
     assert Config.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
 
 
+def test_an_invalid_config_cannot_be_built_and_a_built_one_cannot_change():
+    import dataclasses
+
+    cfg = Config()
+    with pytest.raises(ConfigError, match="^--batch-size must be >= 1, got 0$"):
+        dataclasses.replace(cfg.train, batch_size=0)
+    with pytest.raises(ConfigError, match="^--keep must be >= 1"):
+        Config.from_dict({"checkpoint": {"keep": 0}})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.epochs = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train = cfg.train  # type: ignore[misc]
+
+
+def test_a_value_one_source_needs_may_come_from_a_later_one(tmp_path):
+    """The config is checked once, built from every source: a file's --slices is
+    valid with the command line's --exact."""
+    toml = tmp_path / "run.toml"
+    toml.write_text("[train]\nslices = 4\nbatch_size = 64\n")
+    cfg = resolve({"exact": True}, toml)
+    assert cfg.train.exact and cfg.slice_count() == 4
+    with pytest.raises(ConfigError, match="^--slices is exact mode's: add --exact$"):
+        resolve({}, toml)
+
+
 @pytest.mark.parametrize("text,match", [
     ("[trian]\nepochs = 1\n", r"unknown section \[trian\]"),
     ("[train]\nepoch = 1\n", "unknown key train.epoch"),

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from ddpkit.loop.metrics_log import read_records
 from ddpkit.train.config import resolve
-from ddpkit.train.report import read_jsonl
 
 
 def _one_epoch_in_pool(world, cfg_dict):
@@ -35,7 +35,7 @@ def test_ddpkit_train_two_processes_one_epoch(default_train_run, pools):
     assert final.keys() == saved["model"].keys()
     assert all(torch.equal(final[k], saved["model"][k]) for k in final)
     assert (run_dir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    (record,) = read_jsonl(run_dir / "metrics.jsonl")
+    (record,) = read_records(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "summary.json").read_text())
     config = json.loads((run_dir / "config.json").read_text())
     assert config["train"]["seed"] == 7 and config["world_size"] == 2

@@ -40,7 +40,7 @@ from chaos_harness import (
 from conftest import skip_unless_required
 from ddpkit.durable import EXIT_DISK_FULL
 from ddpkit.fault import EXIT_HANG, EXIT_PREEMPTED
-from ddpkit.train.report import read_jsonl
+from ddpkit.loop.metrics_log import read_records
 from sample_audit import assert_every_sample_once
 
 SAMPLES, STEPS_PER_EPOCH, EPOCHS = 300, 10, 2
@@ -93,7 +93,7 @@ def _assert_same_params(run: Path, reference: Path) -> None:
 
 
 def _assert_metrics_continue(run: Path, reference: Path) -> None:
-    mine, ref = read_jsonl(run / "metrics.jsonl"), read_jsonl(reference / "metrics.jsonl")
+    mine, ref = read_records(run / "metrics.jsonl"), read_records(reference / "metrics.jsonl")
     assert [r["epoch"] for r in mine] == list(range(1, EPOCHS + 1))  # no epoch twice
     for a, b in zip(mine, ref, strict=True):
         for key in ("train_loss", "train_samples", "rank_train_loss", "test_loss", "test_acc"):

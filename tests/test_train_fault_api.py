@@ -12,8 +12,8 @@ import logging
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from ddpkit.loop.sample_ids import SampleLog, read_sample_logs, truncate_sample_logs
 from ddpkit.train.config import resolve
-from ddpkit.train.sample_log import SampleLog, read_sample_logs, truncate_sample_logs
 
 SAMPLES = 300
 CFG = resolve({"data": "synthetic", "synthetic_size": SAMPLES, "batch_size": 32, "epochs": 2,
@@ -39,18 +39,18 @@ def _train(world, cfg_dict, run_dir, stop_at=None, restore=False):
         trainer = Trainer(Config.from_dict(cfg_dict), world, run_dir=run_dir)
         if stop_at is not None and world.rank == 1:
             trainer.step_callbacks.append(
-                lambda t: t.preemption.request() if t.loop.step == stop_at else None)
+                lambda t: t.preemption.request() if t.run.step == stop_at else None)
         info = None
         if restore:
             info = trainer.restore()
-            info = info and {**info, "step": trainer.loop.step,
+            info = info and {**info, "step": trainer.run.step,
                              "position": trainer.sampler.position,
                              "optimizer": copy.deepcopy(trainer.optimizer.state_dict())}
         trainer.fit()
     finally:
         logging.getLogger("ddpkit").removeHandler(handler)
     params = [p.detach().clone() for p in unwrap(trainer.model).parameters()]
-    return {"params": params, "preempted": trainer.preempted, "step": trainer.loop.step,
+    return {"params": params, "preempted": trainer.preempted, "step": trainer.run.step,
             "info": info, "log": lines}
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from ddpkit.train.config import Config
 from ddpkit.train.metrics import MetricSums
-from ddpkit.train.models import build_model
+from ddpkit.train.models import builtin_model
 
 N_TRAIN = 1001  # 1001 = 20 x 48 + 41: the last global batch is uneven and padded
 
@@ -32,13 +32,10 @@ def test_metric_sums_reduce_exactly_with_uneven_counts(pools):
 
 
 def _config(**train):
-    cfg = Config()
-    cfg.data.name, cfg.data.synthetic_size = "synthetic", N_TRAIN
-    cfg.train.batch_size, cfg.train.epochs, cfg.train.engine = 48, 1, "torch"
-    cfg.train.eval_batch_size, cfg.train.threads = 100, 1
-    for k, v in train.items():
-        setattr(cfg.train, k, v)
-    return cfg.validate()
+    return Config.from_dict({
+        "data": {"name": "synthetic", "synthetic_size": N_TRAIN},
+        "train": {"batch_size": 48, "epochs": 1, "engine": "torch", "eval_batch_size": 100,
+                  "threads": 1, **train}})
 
 
 def _train_one_epoch(world, cfg_dict):
@@ -85,7 +82,7 @@ def test_test_metrics_equal_a_direct_computation(one_epoch):
     assert len(test) % 3 and len(test) % 100  # uneven shards and an uneven last batch
     for world, results in one_epoch.items():
         rec, params = results[0]
-        model = build_model("mlp", test.input_shape, test.num_classes)
+        model = builtin_model("mlp", test.input_shape, test.num_classes)
         with torch.no_grad():
             for p, q in zip(model.parameters(), params, strict=True):
                 p.copy_(q)

@@ -117,7 +117,7 @@ def _accumulated(world, batch, accum, size):
     plain = None if world.world_size > 1 else (lambda module, engine, device: module)
     trainer = Trainer(Config.from_dict(cfg.to_dict()), world, write=False, wrap=plain)
     trainer.fit()
-    return trainer.loop.step, [p.detach().clone() for p in unwrap(trainer.model).parameters()]
+    return trainer.run.step, [p.detach().clone() for p in unwrap(trainer.model).parameters()]
 
 
 @pytest.mark.parametrize("size", [256, 300])  # 300: a partial last group, padded batches

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from ddpkit.train.report import read_jsonl
+from ddpkit.loop.metrics_log import read_records
 
 
 def test_sharded_run_equals_unsharded_with_half_the_optimizer_state(default_train_run,
@@ -35,7 +35,7 @@ def test_sharded_run_equals_unsharded_with_half_the_optimizer_state(default_trai
     assert summary["shard"] == "parameters" and plain_summary["shard"] == "none"
     assert summary["optimizer_state_mib"] < 0.55 * plain_summary["optimizer_state_mib"]
     assert len(summary["rank_peak_rss_mib"]) == 2 and min(summary["rank_peak_rss_mib"]) > 50
-    (record,) = read_jsonl(run_dir / "metrics.jsonl")
+    (record,) = read_records(run_dir / "metrics.jsonl")
     assert len(record["rank_peak_rss_mib"]) == 2
     assert "peak RSS by rank [" not in stderr  # in the run's log instead
     (line,) = (run_dir / "train.log").read_text().splitlines()

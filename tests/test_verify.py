@@ -40,7 +40,7 @@ def _averaging_ddp(module, engine, device):
 
 def _verify(world, cfg_dict, steps, dtype, wrap):
     from ddpkit.train.config import Config
-    from ddpkit.train.verify import verify
+    from ddpkit.train.equivalence import verify
 
     result = verify(Config.from_dict(cfg_dict), world, steps=steps, dtype=dtype, wrap=wrap)
     return None if result is None else result.__dict__
@@ -138,7 +138,7 @@ def test_verify_catches_a_subtle_miscount(pools, bug, dtype):
 
 
 def test_verify_tolerance_scales_with_dtype():
-    from ddpkit.train.verify import tolerance
+    from ddpkit.train.equivalence import tolerance
 
     assert tolerance(torch.float64, 10, 0.5) < 1e-8 * tolerance(torch.float32, 10, 0.5)
     assert tolerance(torch.float32, 10, 4.0) == pytest.approx(4 * tolerance(torch.float32, 10, 1.0))

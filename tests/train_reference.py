@@ -27,4 +27,4 @@ def train_in_pool(world, argv: list[str], run_dir: str) -> int:
     cfg = config_from_args(worker_parser().parse_args([*argv, "--run-dir", run_dir]))
     trainer = Trainer(cfg, world, run_dir=Path(run_dir))
     trainer.fit()
-    return trainer.loop.step
+    return trainer.run.step

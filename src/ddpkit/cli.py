@@ -102,7 +102,7 @@ def _describe_from_help(parser: argparse.ArgumentParser) -> None:
                 _describe_from_help(child)
 
 
-def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse ``argv``; a mistake is reported by the (sub)command it belongs to."""
     if not argv:
         parser.error(f"give a command: {', '.join(COMMANDS)}")
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_cli_logging()
     parser = build_parser()
-    args = parse(parser, sys.argv[1:] if argv is None else list(argv))
+    args = parse_command_line(parser, sys.argv[1:] if argv is None else list(argv))
     prog = args._parser.prog  # "ddpkit train", "ddpkit plan project", ...
     try:
         return int(args.func(args) or 0)

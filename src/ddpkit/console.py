@@ -48,7 +48,7 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
-def describe(record: dict[str, Any], eta: float | None) -> str:
+def progress_text(record: dict[str, Any], eta: float | None) -> str:
     """``epoch 3/20 | step 36/240 (15%) | 8,123 samples/s | loss 0.4123 | peak RSS
     412 MiB | ETA 12s`` (peak RSS: the highest of the ranks', rank 0's now and the
     others' as of the last epoch's metrics; one figure, so the line keeps its ETA at any
@@ -180,7 +180,7 @@ class Console:
             t0, s0 = self._first
             if total and step > s0:
                 eta = (int(total) - step) * (now - t0) / (step - s0)
-        text = describe(record, eta)
+        text = progress_text(record, eta)
         with self._lock:
             if self.tty:
                 self._status = text[: columns() - 1]

@@ -83,7 +83,7 @@ class StepNote:
         os.close(self._fd)
 
 
-def describe(change: Mapping[str, Any], resumed_step: int) -> str:
+def change_line(change: Mapping[str, Any], resumed_step: int) -> str:
     """The one line for a change of hosts (``change`` as in :data:`CHANGE_ENV`)."""
     parts = []
     for key in ("lost", "joined"):

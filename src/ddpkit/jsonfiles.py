@@ -1,12 +1,10 @@
-"""JSON written so that readers never choke on it: no NaN/inf, no half-written file.
-Shared by the training application's reports and the library's metric log (torch-free,
-so the launcher can use it before any worker starts)."""
+"""JSON that readers never choke on: no NaN/inf. Shared by the training application's
+reports and the library's metric log (torch-free, so the launcher can use it before any
+worker starts); files are written atomically by :mod:`ddpkit.durable`."""
 
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 from typing import Any
 
 
@@ -20,10 +18,3 @@ def json_safe(value: Any) -> Any:
         return [json_safe(v) for v in value]
     return value
 
-
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write-then-rename: a reader sees the old file or the new one, never half of one."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

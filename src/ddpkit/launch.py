@@ -49,13 +49,14 @@ from ddpkit import rendezvous
 from ddpkit.console import PROGRESS_ENV, Console, columns
 from ddpkit.engine_hook import ENGINE_ENV
 from ddpkit.errors import ONE_LINE_ERRORS_ENV, ConfigError
+from ddpkit.failure_report import report_failure
 from ddpkit.host_malloc import worker_malloc_env
 from ddpkit.launcher_link import FinalFailure, continue_stopped_children, linked_workers
 from ddpkit.log import TERMINAL_COLUMNS_ENV, get_logger
 from ddpkit.torchrun_args import check_nproc, default_nproc, nnodes_range
 
 __all__ = ["LaunchOptions", "check_nproc", "default_nproc", "launch", "launch_argv",
-           "root_cause", "route_to", "torchrun_argv"]
+           "route_to", "torchrun_argv"]
 
 log = get_logger(__name__)
 
@@ -208,30 +209,6 @@ def progress_console(plain_prefix: str | None = None):
             os.environ[PROGRESS_ENV] = previous
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def report_failure(failures: dict, role: str, plain_rank0: bool = False) -> int:
-    """Print the one line naming the root cause of ``failures``; its exit code.
-    ``plain_rank0``: local rank 0's lines were shown without their prefix."""
-    rank, failure = root_cause(failures)
-    others = sorted(r for r in failures if r != rank)
-    also = f"; ranks {others} failed after it" if others else ""
-    if failure.exitcode < 0 and not _recorded(failure):  # no traceback to point at
-        what = (f"was killed by {signal.Signals(-failure.exitcode).name} "
-                f"(pid {failure.pid}; out of memory or killed from outside?)")
-    else:
-        prefix = f"[{role}{failure.local_rank}]"
-        # Python exits 1 after an uncaught exception's traceback. ddpkit's other codes
-        # follow a one-line message: 2 a DdpkitError (errors.install_one_line_errors) or
-        # a usage error, 124 a hang, 74 a full disk, 65 a diverged loss.
-        said = "traceback" if failure.exitcode == 1 or failure.exitcode < 0 else "message"
-        code = (f"exit code {failure.exitcode}" if failure.exitcode >= 0 else
-                f"then stopped by {signal.Signals(-failure.exitcode).name}")
-        shown = ("not prefixed" if plain_rank0 and failure.local_rank == 0 else
-                 f"prefixed {prefix}")
-        what = f"failed first ({code}, pid {failure.pid}); its {said} is above, {shown}"
-    print(f"ddpkit launch: rank {rank} {what}{also}", file=sys.stderr, flush=True)
-    return failure.exitcode if failure.exitcode > 0 else 1
 
 
 def launch_argv(argv: Sequence[str],
@@ -408,45 +385,3 @@ def choose_network(args, multi_node: bool) -> None:
         if ifname:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
             log.info(f"GLOO_SOCKET_IFNAME={ifname} (the interface toward the rendezvous)")
-
-
-# Messages of ranks that died only because a peer went away first.
-_PEER_GONE = ("Connection closed by peer", "Connection reset", "Broken pipe", "DistBackendError",
-              "DistNetworkError", "exited during a shared-memory collective")
-
-
-# What torch's ProcessFailure holds as the message when the rank wrote no error file.
-_NO_ERROR_FILE = "<NONE>"
-
-
-def _recorded(failure) -> bool:
-    """Whether the rank wrote its own exception to its error file (``@record``).
-
-    Such a rank raised by itself: the agent's SIGTERM may still reach it while the
-    interpreter winds down, after its peers already saw the connection drop and exited.
-    """
-    message = getattr(failure, "error_file_data", {}).get("message")
-    return message not in (None, "", _NO_ERROR_FILE)
-
-
-def root_cause(failures: dict) -> tuple[int, object]:
-    """The failure that caused the others.
-
-    A rank killed by a signal of its own (SIGKILL from the OOM killer, SIGSEGV) had no
-    chance to report and its peers fail within moments of it, often in an earlier
-    second of torchrun's clock: it is the cause. Exit -SIGTERM is the agent stopping the
-    survivors, never the cause. Otherwise the earliest error wins; torchrun's timestamps
-    have one-second resolution, so a rank that raised and the peer whose collective then
-    broke usually tie, and among those we prefer the failure that is not a lost connection.
-    """
-    def key(item):
-        rank, failure = item
-        message = str(getattr(failure, "message", ""))
-        # A rank that recorded its exception ended by itself, whatever signal came after.
-        signalled = failure.exitcode < 0 and not _recorded(failure)
-        stopped_by_agent = signalled and failure.exitcode == -signal.SIGTERM
-        killed_by_signal = signalled and not stopped_by_agent
-        return (stopped_by_agent, not killed_by_signal, failure.timestamp,
-                any(p in message for p in _PEER_GONE), rank)
-
-    return min(failures.items(), key=key)

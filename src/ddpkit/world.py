@@ -93,10 +93,6 @@ class World:
         return self.rank == 0
 
     @property
-    def is_local_main(self) -> bool:
-        return self.local_rank == 0
-
-    @property
     def device(self) -> str:
         """The first (primary) device of this process."""
         return self.devices[0]

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from ddpkit.bench.output import pyplot, save_figure, write_csv, write_json
+from ddpkit.bench.output import pyplot, save_figure, save_json, write_csv
 from ddpkit.errors import ConfigError
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -250,7 +250,7 @@ def run_rank(world, cfg: BenchConfig) -> list[dict] | None:
 # -- the parent: spawn, report, write files ------------------------------------------
 
 
-def validate(cfg: BenchConfig) -> None:
+def check_config(cfg: BenchConfig) -> None:
     from ddpkit.comm import registry
 
     if cfg.op not in OPS:
@@ -274,7 +274,7 @@ def validate(cfg: BenchConfig) -> None:
 def run(cfg: BenchConfig) -> BenchResult:
     from ddpkit.spawn import spawn
 
-    validate(cfg)
+    check_config(cfg)
     started = time.time()
     per_rank = spawn(run_rank, cfg.nproc, args=(cfg,))
     rows = [Row(**r) for r in per_rank[0]]
@@ -289,7 +289,7 @@ def run(cfg: BenchConfig) -> BenchResult:
     return BenchResult(cfg, rows, meta)
 
 
-def format_table(result: BenchResult) -> str:
+def collectives_table(result: BenchResult) -> str:
     cfg = result.config
     algos = list(cfg.algos)
     baseline = "backend" if "backend" in algos and len(algos) > 1 else None
@@ -337,7 +337,7 @@ def _stem(out_dir: str, op: str) -> str:
     return os.path.join(out_dir, f"collectives-{op}")
 
 
-def check_out_dir(out_dir: str, op: str) -> None:
+def refuse_taken_out_dir(out_dir: str, op: str) -> None:
     """Refuse a directory that already holds this op's results: nothing is overwritten."""
     stem = _stem(out_dir, op)
     taken = [p for p in (stem + ".csv", stem + ".json", stem + ".png") if os.path.exists(p)]
@@ -347,12 +347,12 @@ def check_out_dir(out_dir: str, op: str) -> None:
 
 def write_outputs(result: BenchResult, out_dir: str, plot: bool = True) -> list[str]:
     """collectives-<op>.csv, .json and (unless ``plot=False``) .png in ``out_dir``."""
-    check_out_dir(out_dir, result.config.op)
+    refuse_taken_out_dir(out_dir, result.config.op)
     os.makedirs(out_dir, exist_ok=True)
     stem = _stem(out_dir, result.config.op)
     paths = [stem + ".csv", stem + ".json"]
     write_csv(paths[0], [asdict(r) for r in result.rows], value=_csv_value, lineterminator="\n")
-    write_json(paths[1], {"config": asdict(result.config), "meta": result.meta,
+    save_json(paths[1], {"config": asdict(result.config), "meta": result.meta,
                           "rows": [asdict(r) for r in result.rows]}, indent=2, final_newline=True)
     if plot:
         paths.append(stem + ".png")

@@ -20,7 +20,7 @@ def write_csv(path: str, rows: list[dict], *, value=str, lineterminator: str = "
     return path
 
 
-def write_json(path: str, data, *, indent: int, final_newline: bool) -> str:
+def save_json(path: str, data, *, indent: int, final_newline: bool) -> str:
     with open(path, "w") as f:
         json.dump(data, f, indent=indent)
         if final_newline:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddpkit.bench.output import pyplot, save_figure, write_csv, write_json
+from ddpkit.bench.output import pyplot, save_figure, save_json, write_csv
 
 ALGOS = ("gloo", "comm", "comm-nocheck", "shm-copy", "shm-signed", "shm")
 DEFAULT_SIZES = "4,1K,16K,64K,256K,1M,4M,16M,32M"
@@ -139,7 +139,7 @@ def run_rank(world, cfg: Config) -> list[dict]:
     return rows
 
 
-def format_table(rows: list[dict], nprocs: int) -> str:
+def shm_table(rows: list[dict], nprocs: int) -> str:
     lines = [f"all_reduce float32, {nprocs} ranks, median time per call (slowest rank)",
              f"{'size':>6} {'algo':>12} {'time_us':>10} {'busbw GB/s':>11} {'x gloo':>7}"]
     for r in rows:
@@ -192,7 +192,7 @@ def _ratios(by: dict, algo: str, base: str) -> list[float]:
 def write_outputs(rows: list[dict], out_dir: str, plot: bool = True) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "shm.json"), os.path.join(out_dir, "shm.csv")]
-    write_json(paths[0], rows, indent=1, final_newline=False)
+    save_json(paths[0], rows, indent=1, final_newline=False)
     write_csv(paths[1], rows)
     if plot:
         paths.append(_plot(rows, os.path.join(out_dir, "shm.png")))

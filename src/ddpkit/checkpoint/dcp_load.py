@@ -30,11 +30,16 @@ from ddpkit.checkpoint.common import CheckpointError
 from ddpkit.checkpoint.dcp_files import (
     SafeLoadPlanner,
     SafeReader,
+    dcp_quiet,
     failure_text,
     read_metadata,
-    single_process_quiet,
 )
-from ddpkit.checkpoint.dcp_state import is_sharded, optimizer_from_names, sharded
+from ddpkit.checkpoint.dcp_state import (
+    is_sharded,
+    optimizer_from_names,
+    parameter_aliases,
+    sharded,
+)
 from ddpkit.checkpoint.model_state import (
     check_model_state,
     load_model_state,
@@ -108,7 +113,7 @@ def load_dcp(directory: str | Path, model: torch.nn.Module | None = None,
     if optimizer is not None:
         plan = _optimizer_targets(model, md, state_keys, group_keys, target, device, source)
     try:
-        with single_process_quiet():
+        with dcp_quiet():
             dcp.load(target, storage_reader=SafeReader(directory), planner=SafeLoadPlanner(),
                      no_dist=not _initialized())
     except CheckpointException as err:
@@ -127,7 +132,7 @@ def load_dcp(directory: str | Path, model: torch.nn.Module | None = None,
 
 def _optimizer_targets(model: Any, md: Mapping[str, Any], state_keys: dict, group_keys: dict,
                        target: dict[str, Any], device: torch.device, source: str) -> dict:
-    names = {n.removeprefix("module.") for n, _ in unwrap(model).named_parameters()}
+    names = set(parameter_aliases(model))  # a tied weight's state may be under any name
     strangers = sorted({name for name, _ in state_keys if name not in names})
     if strangers:
         raise CheckpointError(f"{source}: its optimizer state names parameters this model does "
@@ -229,7 +234,7 @@ def read_model_state(directory: str | Path, prefix: str = "model.") -> dict[str,
     model to load them into."""
     md = read_metadata(directory).state_dict_metadata
     target = {k: _empty(v, torch.device("cpu")) for k, v in md.items() if k.startswith(prefix)}
-    with single_process_quiet():
+    with dcp_quiet():
         dcp.load(target, storage_reader=SafeReader(directory), planner=SafeLoadPlanner(),
                  no_dist=True)
     return {k[len(prefix):]: v for k, v in target.items()}

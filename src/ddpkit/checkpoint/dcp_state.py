@@ -99,6 +99,19 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
     return strip_module_prefix(unwrap(model).state_dict())
 
 
+def parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    """Each parameter's name as torch's state_dict helpers key its optimizer state: the
+    first name ``named_parameters()`` reaches it by (a tied weight has several)."""
+    return {id(p): n for n, p in unwrap(model).named_parameters()}
+
+
+def parameter_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Every name of every parameter -> the name :func:`parameter_names` gives it, so a
+    state saved under another name of a tied weight still finds it."""
+    first = parameter_names(model)
+    return {n: first[id(p)] for n, p in unwrap(model).named_parameters(remove_duplicate=False)}
+
+
 def is_sharded(model: Any) -> bool:
     return getattr(model, "shard", "none") != "none"
 
@@ -107,7 +120,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     """``optimizer``'s state in the helpers' naming (collective for a sharded model)."""
     if is_sharded(model):
         return _sharded_optimizer_state(model, optimizer)
-    names = {id(p): n for n, p in unwrap(model).named_parameters(remove_duplicate=False)}
+    names = parameter_names(model)
     order = [p for group in optimizer.param_groups for p in group["params"]]
     strangers = [i for i, p in enumerate(order) if id(p) not in names]
     if strangers:
@@ -153,7 +166,9 @@ def optimizer_from_names(optimizer: torch.optim.Optimizer, model: torch.nn.Modul
     """An optimizer state in the helpers' naming as ``optimizer.load_state_dict`` takes
     it (positions), for an unsharded ``optimizer`` built on ``model``'s parameters.
     ``keep_groups``: this optimizer's hyper-parameters instead of the saved ones."""
-    names = {id(p): n for n, p in unwrap(model).named_parameters(remove_duplicate=False)}
+    names = parameter_names(model)
+    aliases = parameter_aliases(model)
+    saved = {**saved, "state": {aliases.get(n, n): v for n, v in saved.get("state", {}).items()}}
     current = optimizer.state_dict()
     order = [p for group in optimizer.param_groups for p in group["params"]]
     position = {names.get(id(p)): i for i, p in enumerate(order)}

@@ -96,7 +96,7 @@ def all_reduce(
     if plain:
         route = fast_path.lookup(tensor, op)
         if route is not None and tensor.is_contiguous() and tensor.numel():
-            route(tensor.view(-1))
+            route(tensor)  # a contiguous tensor of any shape: no flat view per call
             return None
     call = Call("all_reduce", algo, group, async_op, check)
     if not call.member:
@@ -116,7 +116,7 @@ def all_reduce(
         direct = getattr(call.impl, "direct_all_reduce", None)
         route = direct(wire, None, signature=signature) if direct is not None else None
         fast_path.remember(tensor, op, route or (
-            lambda flat: method(flat, wire, None, signature=signature)))
+            lambda t: method(t.view(-1), wire, None, signature=signature)))
     return result
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from collections import Counter
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from ddpkit import lifetime
-from ddpkit.comm import collectives, ops
+from ddpkit.comm import collectives, fast_path, ops, registry
 
 NAMES = ("all_reduce", "broadcast", "reduce", "barrier")
 # The reductions torch's own tests run on ddpkit's functions (sum, product, min, max).
@@ -44,12 +44,26 @@ _ROUTED_OPS = {op: name for op, name in ((dist.ReduceOp.SUM, "sum"),
                                         (dist.ReduceOp.MIN, "min"),
                                         (dist.ReduceOp.MAX, "max"))}
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_STRIDED = torch.strided
+_MAX_DIRECT = 64
 _MODULES = (dist, distributed_c10d)
 
 _originals: dict[str, Callable] = {}  # name -> torch's function while routed
-_inside = threading.local()  # .active: a routed call is running on this thread
+
+
+class _Inside(threading.local):
+    active = False  # a routed call is running on this thread (a class default: no lookup miss)
+
+
+_inside = _Inside()
 _gloo_groups = lifetime.PerGroup()  # group -> whether ddpkit answers its collectives
-_counts: Counter = Counter()  # name -> calls answered by ddpkit in this process
+_counts = dict.fromkeys(NAMES, 0)  # name -> calls answered by ddpkit in this process
+# (id(group), dtype, id(op)) -> (the group, weakly; the op object, which keeps its id
+# unique; ddpkit's remembered call; the algorithm table's version it was found under).
+# torch's default group object is read from distributed_c10d._world (what
+# dist.group.WORLD returns, minus a class property per call).
+_direct: dict = {}
+_WORLD = distributed_c10d._world
 
 
 def routed() -> bool:
@@ -58,7 +72,7 @@ def routed() -> bool:
 
 def counts() -> dict[str, int]:
     """How many calls of each name ddpkit answered in this process."""
-    return dict(_counts)
+    return {name: n for name, n in _counts.items() if n}
 
 
 def original(name: str) -> Callable:
@@ -84,12 +98,16 @@ def restore() -> None:
         for module in _MODULES:
             setattr(module, name, original)
     _originals.clear()
+    forget()
 
 
 def _from_ddpkit(depth: int = 2) -> bool:
     """Whether the function calling the dispatcher belongs to ddpkit."""
-    caller = sys._getframe(depth).f_globals.get("__name__", "")
-    return caller == "ddpkit" or caller.startswith("ddpkit.")
+    return _ddpkit_module(sys._getframe(depth).f_globals.get("__name__", ""))
+
+
+def _ddpkit_module(name: str) -> bool:
+    return name.startswith("ddpkit") and (len(name) == 6 or name[6] == ".")
 
 
 def _group_served(group) -> bool:
@@ -116,7 +134,7 @@ def _plain_cpu(tensor: Any) -> bool:
 
 def _ours(async_op: bool, group) -> bool:
     """The checks every routed call shares (the caller adds its tensor's and op's)."""
-    return (not async_op and not getattr(_inside, "active", False)
+    return (not async_op and not _inside.active
             and not torch.compiler.is_compiling() and not _from_ddpkit(3)
             and _group_served(group))
 
@@ -161,12 +179,47 @@ def _movable(dtype: torch.dtype) -> bool:
 
 
 def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    if not async_op and type(tensor) in _PLAIN_TENSORS:
+        # the call's group, op and dtype were judged before: only the tensor's own
+        # properties and the caller are checked again (as _plain_cpu and _ours do)
+        pg = _WORLD.default_pg if group is None else group
+        found = _direct.get((id(pg), tensor.dtype, id(op)))
+        if (found is not None and found[0]() is pg and found[1] is op
+                and found[3] == registry.version() and tensor.is_cpu
+                and tensor.layout is _STRIDED and not tensor.requires_grad
+                and tensor.is_contiguous() and not _inside.active
+                and not torch.compiler.is_compiling()
+                and not _ddpkit_module(sys._getframe(1).f_globals.get("__name__", ""))):
+            _counts["all_reduce"] += 1
+            found[2](tensor)
+            return None
     if _plain_cpu(tensor) and _ours(async_op, group):
         name = _reduction(op, tensor.dtype, "all_reduce")
         if name is not None:
-            return _call("all_reduce", collectives.all_reduce, tensor, name,
-                         _default_to_none(group))
+            _call("all_reduce", collectives.all_reduce, tensor, name, _default_to_none(group))
+            _remember_direct(tensor, op, group, name)
+            return None
     return _originals["all_reduce"](tensor, op, group, async_op)
+
+
+def _remember_direct(tensor, op, group, name: str) -> None:
+    """After a routed all_reduce on the default group: the path ddpkit.comm remembered
+    for its like (ddpkit.comm.fast_path), kept under this call's group, dtype and op
+    object, so the next such call skips the checks that cannot have changed."""
+    pg = _WORLD.default_pg
+    if pg is None or (group is not None and group is not pg):
+        return
+    route = fast_path.lookup(tensor, name)
+    if route is None:
+        return
+    if len(_direct) >= _MAX_DIRECT:  # groups come and go: do not grow forever
+        _direct.clear()
+    _direct[id(pg), tensor.dtype, id(op)] = (weakref.ref(pg), op, route, registry.version())
+
+
+def forget() -> None:
+    """Drop every remembered all_reduce route (the next call of each shape judges anew)."""
+    _direct.clear()
 
 
 def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):

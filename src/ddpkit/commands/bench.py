@@ -60,15 +60,15 @@ def run_collectives(args) -> int:
         nproc=args.nproc, warmup=args.warmup, repeats=args.repeats, check=not args.no_check,
         threads=args.threads,
     )
-    bench.validate(cfg)
+    bench.check_config(cfg)
     out_dir = args.out_dir or fresh_dir(os.path.join("runs", "bench-collectives"))
     if args.threads is not None and args.threads < 1:
         raise ConfigError("--threads must be >= 1")
-    bench.check_out_dir(out_dir, cfg.op)  # refuse before minutes of measuring, not after
+    bench.refuse_taken_out_dir(out_dir, cfg.op)  # refuse before minutes of measuring, not after
     print(f"ddpkit bench collectives: {cfg.op} on {cfg.nproc} ranks, algorithms "
           f"{', '.join(algos)}, {len(cfg.sizes)} sizes; progress below", file=sys.stderr)
     result = bench.run(cfg)
-    print(bench.format_table(result))
+    print(bench.collectives_table(result))
     paths = bench.write_outputs(result, out_dir, plot=not args.no_plot)
     print(f"# wrote {', '.join(paths)}")
     return 0

@@ -57,7 +57,7 @@ def run(args) -> int:
           file=sys.stderr)
     cfg = shm_bench.Config(nprocs=args.nproc, sizes=sizes, budget_s=args.budget)
     rows = shm_bench.run(cfg)
-    print(shm_bench.format_table(rows, args.nproc))
+    print(shm_bench.shm_table(rows, args.nproc))
     paths = shm_bench.write_outputs(rows, out_dir, plot=not args.no_plot)
     print(f"# wrote {', '.join(paths)}")
     return 0

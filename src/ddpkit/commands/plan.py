@@ -278,7 +278,7 @@ def run_project(args) -> int:
         param_tensors=args.param_tensors, bucket_cap_mb=args.bucket_mb)
     rows = project.project(workload, gpu_counts, args.gpus_per_node, intra, inter,
                            algos, args.overlap, args.nics_per_node)
-    print(project.format_table(rows, workload, intra, inter, args.gpus_per_node, args.overlap,
+    print(project.projection_table(rows, workload, intra, inter, args.gpus_per_node, args.overlap,
                                args.nics_per_node))
     out_dir = Path(args.out_dir or fresh_dir(os.path.join("runs", "plan")))
     csv_path, png_path = out_dir / "plan.csv", out_dir / "plan.png"
@@ -315,5 +315,5 @@ def _measure_all_reduce(nproc: int, sizes: str, threads: int | None, repeats: in
     cfg = bench.BenchConfig(op="all_reduce", algos=("backend",),
                             sizes=tuple(bench.parse_sizes(sizes)), nproc=nproc,
                             repeats=repeats, check=False, threads=threads)
-    bench.validate(cfg)
+    bench.check_config(cfg)
     return bench.run(cfg)

@@ -20,7 +20,7 @@ from ddpkit.train.options import (
     config_from_args,
 )
 
-WORKER_MODULE = "ddpkit.train.verify"
+WORKER_MODULE = "ddpkit.train.equivalence"
 
 DESCRIPTION = """\
 Do W processes train exactly like one? Takes --steps training steps on W ranks (launched
@@ -43,8 +43,8 @@ def register(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from ddpkit.errors import ConfigError
     from ddpkit.launch import launch
+    from ddpkit.train.equivalence import VerifyResult, check_plain_steps, run_from_args
     from ddpkit.train.prelaunch import check_data, check_world_size, quiet_omp_warning
-    from ddpkit.train.verify import VerifyResult, check_plain_steps, run_from_args
     from ddpkit.world import World
 
     # Only who started this process matters here, not its devices (which need torch).

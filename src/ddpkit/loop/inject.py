@@ -6,8 +6,10 @@
     rank R (``*``: every rank) sleeps SECONDS right after step S: a straggler, or a hang
     when SECONDS exceeds the collective timeout. A stop signal (preemption) cuts the
     sleep short, so a test can signal a run parked at a known step.
+``DDPKIT_TEST_RAISE_AT_STEP=S:R``
+    rank R raises a RuntimeError right after step S, as a bug in a training step would.
 
-Both act only in the first attempt (``TORCHELASTIC_RESTART_COUNT`` 0 or unset): the
+All act only in the first attempt (``TORCHELASTIC_RESTART_COUNT`` 0 or unset): the
 restarted workers of an elastic run must get past the step that failed. :class:`Run`
 installs them, so ``ddpkit train`` and a user's own loop answer to the same variables.
 """
@@ -23,6 +25,7 @@ from ddpkit.errors import ConfigError
 
 KILL = "DDPKIT_TEST_KILL_AT_STEP"
 SLEEP = "DDPKIT_TEST_SLEEP_AT_STEP"
+RAISE = "DDPKIT_TEST_RAISE_AT_STEP"
 
 StepHook = Callable[[int], None]  # called with the number of the step just finished
 
@@ -60,4 +63,11 @@ def step_hooks(env: Mapping[str, str], rank: int, restart_count: int,
                     time.sleep(0.05)
 
             hooks.append(sleep)
+    step, _, who = env.get(RAISE, "").partition(":")
+    if step.isdigit() and who == str(rank):
+        def fail(done: int, at: int = int(step)) -> None:
+            if done == at:
+                raise RuntimeError(f"injected failure at step {at} ({RAISE})")
+
+        hooks.append(fail)
     return hooks

@@ -11,26 +11,56 @@ Replay after a resume: the steps after the checkpoint are trained again, so thei
 records go. :func:`truncate_records` keeps the records of steps ``<=`` the
 checkpoint's step (and drops a line cut short by a crash); TensorBoard is told the same
 with ``purge_step``.
+
+This module is the one writer and the one reader of ``metrics.jsonl``: ``ddpkit.Run``
+writes its per-step records and ``ddpkit train``'s epoch records through
+:class:`MetricLog`; every file goes through :mod:`ddpkit.durable` (appends that never
+leave half a line, rewrites that are atomic and fsync'd).
 """
 
 from __future__ import annotations
 
 import csv
 import importlib.util
+import io
 import json
 import os
 import resource
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
+from ddpkit.durable import append_line, write_atomic
 from ddpkit.errors import ConfigError
-from ddpkit.jsonfiles import json_safe, write_atomic
+from ddpkit.jsonfiles import json_safe
 
 
 def peak_rss_mib() -> float:
     """This process's peak resident memory so far, in MiB (records carry every rank's)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def mean_over_ranks(values: Mapping[str, Any], rank: int, world_size: int,
+                    device: Any) -> dict[str, Any]:
+    """Collective: the mean over ranks of each of ``values`` (floats or 0-dim tensors,
+    the same names on every rank) and every rank's peak RSS (``rank_peak_rss_mib``)."""
+    import torch
+    import torch.distributed as dist
+
+    names = sorted(values)
+    # One float64 all-reduce for all of them: the record costs one collective. Each
+    # rank's peak memory rides in its own slot after them, so the sum lists them all.
+    vals = torch.zeros(len(names) + world_size, dtype=torch.float64, device=device)
+    for i, n in enumerate(names):
+        vals[i] = torch.as_tensor(values[n]).detach().to(device, torch.float64).reshape(())
+    vals[len(names) + rank] = peak_rss_mib()
+    if dist.is_available() and dist.is_initialized() and world_size > 1:
+        dist.all_reduce(vals)
+    totals = vals.tolist()
+    out: dict[str, Any] = dict(zip(names, (v / world_size for v in totals[:len(names)]),
+                                   strict=True))
+    out["rank_peak_rss_mib"] = [round(v) for v in totals[len(names):]]
+    return out
 
 
 JSONL_FILE = "metrics.jsonl"
@@ -84,13 +114,17 @@ def truncate_records(run_dir: str | os.PathLike, step: int) -> None:
         _write_csv(table, fields, kept_rows)
 
 
-def _write_csv(path: Path, fields: list[str], rows: list[Mapping[str, Any]]) -> None:
-    tmp = path.with_suffix(".csv.tmp")
-    with tmp.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields, restval="")
+def _csv_text(fields: list[str], rows: list[Mapping[str, Any]], header: bool = True) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=fields, restval="")
+    if header:
         writer.writeheader()
-        writer.writerows(rows)
-    os.replace(tmp, path)
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def _write_csv(path: Path, fields: list[str], rows: list[Mapping[str, Any]]) -> None:
+    write_atomic(path, _csv_text(fields, rows))
 
 
 class MetricLog:
@@ -101,7 +135,6 @@ class MetricLog:
                  start_step: int = 0):
         self.dir = Path(run_dir)
         self.writers = check_writers(log_with)
-        self._jsonl: IO[str] | None = None
         self._csv_fields: list[str] | None = None
         self._tb = None
         if "tensorboard" in self.writers:
@@ -110,13 +143,14 @@ class MetricLog:
             # purge_step: events of the steps being replayed are dropped from the view.
             self._tb = SummaryWriter(str(self.dir / TB_DIR), purge_step=start_step + 1)
 
-    def write(self, record: Mapping[str, Any]) -> None:
+    def write(self, record: Mapping[str, Any], *, jsonl_only: bool = False) -> None:
+        """Append ``record`` (it has a ``step``) to every writer; ``jsonl_only``: to
+        metrics.jsonl alone (``ddpkit train``'s epoch records, which hold lists)."""
         record = json_safe(dict(record))
-        if self._jsonl is None:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = (self.dir / JSONL_FILE).open("a")
-        self._jsonl.write(json.dumps(record, sort_keys=True) + "\n")
-        self._jsonl.flush()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        append_line(self.dir / JSONL_FILE, json.dumps(record, sort_keys=True))
+        if jsonl_only:
+            return
         if "csv" in self.writers:
             self._write_csv(record)
         if self._tb is not None:
@@ -144,13 +178,9 @@ class MetricLog:
             _write_csv(path, fields, [*rows, scalars])
             self._csv_fields = fields
             return
-        with path.open("a", newline="") as fh:
-            csv.DictWriter(fh, fieldnames=fields, restval="").writerow(scalars)
+        append_line(path, _csv_text(fields, [scalars], header=False))
 
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
-            self._jsonl = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import threading
 import time
 import uuid
@@ -58,31 +57,24 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ddpkit import lifetime
-from ddpkit.checkpoint import (
-    Cadence,
-    Checkpointer,
-    CheckpointError,
-    collect_state,
-    config_fingerprint,
-    restore_state,
-)
+from ddpkit.checkpoint import Cadence, Checkpointer
 from ddpkit.checkpoint.init_from import init_fresh_run
 from ddpkit.data.partition import ShardBatch, ShardSampler
 from ddpkit.errors import ConfigError
 from ddpkit.fault import PreemptionGuard, ProgressBoard, Watchdog, set_collective_timeout
 from ddpkit.log import get_logger
 from ddpkit.loop import inject
-from ddpkit.loop.metrics_log import MetricLog, check_writers, peak_rss_mib, truncate_records
+from ddpkit.loop.loader import loader_sampler, real_ids, share_slice_count
+from ddpkit.loop.metrics_log import MetricLog, check_writers, mean_over_ranks
 from ddpkit.loop.rank0 import cannot_create, decide_on_rank0
-from ddpkit.loop.sample_ids import SampleLog, truncate_sample_logs
+from ddpkit.loop.run_checkpoints import RunCheckpoints
+from ddpkit.loop.sample_ids import SampleLog
 from ddpkit.parallel.exact.exact_reducer import ExactReducer
 from ddpkit.runtime import DEFAULT_TIMEOUT
-from ddpkit.slice_count import check_slices, default_slices
 
 log = get_logger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
-FORMAT = "ddpkit-run/1"
 
 
 class Stateful(Protocol):
@@ -94,7 +86,7 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-class Run:
+class Run(RunCheckpoints):
     """One training job in ``directory``: resume, preemption, hang detection, metrics.
 
     Build it on every rank, then enter it (``with run:``) on every rank; entering and
@@ -310,115 +302,6 @@ class Run:
         with self.watchdog.guard(self.step, name) if self.watchdog else contextlib.nullcontext():
             yield
 
-    @contextlib.contextmanager
-    def _patient(self) -> Iterator[None]:
-        """Checkpoint I/O may outlast a tight collective timeout: relax it meanwhile."""
-        short = self.collective_timeout
-        if short is None or not _initialized():
-            yield
-            return
-        set_collective_timeout(max(short, DEFAULT_TIMEOUT.total_seconds()))
-        try:
-            yield
-        finally:
-            set_collective_timeout(short)
-
-    # ------------------------------------------------------------------ resume
-    def restore(self, *, required: bool = False) -> dict[str, Any] | None:
-        """Collective: continue from the newest good checkpoint now (entering the run
-        does this by itself unless ``resume=False``). Returns what
-        :func:`ddpkit.checkpoint.restore_state` reports, or None when there is nothing to
-        resume (a warning; an error with ``required=True``)."""
-        self.prepare()
-        if self.checkpointer is None:
-            raise ConfigError("cannot resume: this run keeps no checkpoints")
-        return self._restore(quiet=False, required=required)
-
-    def _restore(self, *, quiet: bool, required: bool = False) -> dict[str, Any] | None:
-        self._restore_done = True
-        if self.checkpointer is None:
-            self.sync_logs()
-            return None
-        with self._patient():
-            state = self.checkpointer.load_latest()
-        if state is None:
-            if required:
-                raise CheckpointError(f"no usable checkpoint in {self.checkpointer.dir}; "
-                                      "nothing to resume")
-            if not quiet:
-                log.warning(f"no checkpoint in {self.checkpointer.dir} yet: starting from step 0")
-            self.sync_logs()
-            return None
-        source = f"checkpoint of step {state.get('step')} in {self.checkpointer.dir}"
-        ours = (state.get("extra") or {}).get("run")
-        if not isinstance(ours, dict) or ours.get("format") != FORMAT:
-            raise CheckpointError(f"{source} was not written by ddpkit.Run or ddpkit train; "
-                                  "cannot resume it")
-        if self.config_check is not None:
-            self.config_check(state.get("config"), source)
-        info = restore_state(state, model=self.model, optimizer=self.optimizer,
-                             scheduler=self.scheduler, source=source,
-                             config=None if self.config_check is not None else self.config)
-        saved = state["extra"]["state"]
-        missing = sorted(set(self.state) - set(saved))
-        if missing:
-            raise CheckpointError(f"{source} has no state for {missing}; it was saved without it")
-        self.step = self.start_step = self._saved_step = int(ours["step"])
-        self.epoch, self.position = int(ours["epoch"]), int(ours["position"])
-        if self.sampler is not None and "sampler" in state:
-            self.sampler.load_state_dict(state["sampler"])  # checks seed and data size
-            self.epoch, self.position = self.sampler.epoch, self.sampler.position
-        for name, obj in self.state.items():
-            obj.load_state_dict(saved[name])
-        self.resumed_from = self.checkpointer.path_for(self.step)
-        self._last_epoch = self.epoch if self.position else max(self.epoch - 1, 0)
-        self.sync_logs()
-        of = f" of {self.sampler.num_samples}" if self.sampler is not None else ""
-        log.info(f"resumed at step {self.step} (epoch {self.epoch + 1}, sample "
-                 f"{self.position}{of}) from {source}")
-        return info
-
-    def sync_logs(self) -> None:
-        """Collective: the logs describe exactly the steps that led to the current state
-        (lines of steps past it would be replayed and count twice)."""
-        if self.dir is None:
-            return
-        if self.is_main:
-            truncate_records(self.dir, self.step)
-            truncate_sample_logs(self.dir, self.step)
-        if _initialized() and self.world_size > 1:
-            dist.barrier()  # nobody appends before rank 0 has cut the logs
-
-    # ------------------------------------------------------------------ saving
-    def state_dict(self) -> dict[str, Any]:
-        """Where the loop is (step, epoch, data position) and the ``state=`` objects."""
-        return {"run": {"format": FORMAT, "step": self.step, "epoch": self.epoch,
-                        "position": self.position},
-                "state": {name: obj.state_dict() for name, obj in self.state.items()}}
-
-    def save(self, reason: str = "manual") -> Path:
-        """Collective: write a checkpoint of the current step now (every rank calls it)."""
-        if self.checkpointer is None:
-            raise ConfigError("Run.save() needs a run that keeps checkpoints, entered first "
-                              "(`with run:`)")
-        meta: dict[str, Any] = {"epoch": self.epoch}
-        if self.config is not None:
-            meta["fingerprint"] = config_fingerprint(self.config)
-            meta["config"] = self.config
-        with self.guarded("checkpoint"), self._patient():
-            state = collect_state(
-                model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                sampler=_Position(self) if self.sampler is not None else None,
-                step=self.step, epoch=self.epoch, config=self.config,
-                extra=self.state_dict(),
-            )
-            path = self.checkpointer.save(state, self.step, reason=reason, meta=meta)
-        self.cadence.saved()
-        self._saved_step = self.step
-        if reason in ("final", "preempted"):
-            log.info(f"checkpoint of step {self.step} ({reason}): {path}")
-        return path
-
     # ------------------------------------------------------------------ the loop
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """The epochs left to train, from the one a resume lands in; ends early when a
@@ -439,7 +322,8 @@ class Run:
         loop stops them after its checkpoint). Ends early, on every
         rank at the same step, when a stop signal ended the run.
         """
-        sampler = self._shard_sampler(self._sampler_of(loader))
+        self.sampler = loader_sampler(loader, self.sampler, self.guard.signals)
+        sampler = self._shard_sampler(self.sampler)
         sampler.load_state_dict({"epoch": self.epoch, "position": self.position})
         self.epoch, self.position = sampler.epoch, sampler.position
         epoch, start = self.epoch, self.position
@@ -462,7 +346,7 @@ class Run:
                 chunk = (done, min(done + g, end))
                 done = chunk[1]
                 if self._samples is not None:
-                    self._pending_ids += _real_ids(sampler, epoch, *chunk)
+                    self._pending_ids += real_ids(sampler, epoch, *chunk)
                 self.epoch, self.position = (epoch + 1, 0) if done >= end else (epoch, done)
                 self._last_epoch = epoch
                 self._open_step_guard()
@@ -473,48 +357,9 @@ class Run:
                 close()
             del source
 
-    def _sampler_of(self, loader: Any) -> ShardSampler:
-        sampler = self.sampler
-        if loader is not None:
-            found = getattr(loader, "sampler", None)
-            if not isinstance(found, ShardSampler):
-                raise ConfigError("run.batches(loader): the loader must draw from a ShardSampler "
-                                  "(DataLoader(dataset, sampler=sampler, batch_size="
-                                  "sampler.local_batch_size))")
-            if sampler is not None and found is not sampler:
-                raise ConfigError("run.batches(loader): the loader's sampler is not the Run's "
-                                  "sampler=; pass the same one")
-            if getattr(loader, "batch_size", None) != found.local_batch_size:
-                raise ConfigError(
-                    f"run.batches(loader): the loader's batch_size is "
-                    f"{getattr(loader, 'batch_size', None)}, the sampler's local batch is "
-                    f"{found.local_batch_size}; give the DataLoader batch_size="
-                    "sampler.local_batch_size (accumulate several batches per step instead)")
-            if getattr(loader, "drop_last", False):
-                raise ConfigError("run.batches(loader): use ShardSampler(drop_last=True) instead "
-                                  "of DataLoader(drop_last=True)")
-            self.sampler = sampler = found
-            if getattr(loader, "num_workers", 0) and not isinstance(loader.worker_init_fn,
-                                                                       _QuietWorker):
-                loader.worker_init_fn = _QuietWorker(loader.worker_init_fn, self.guard.signals)
-        if sampler is None:
-            raise ConfigError("run.batches() needs a sampler: Run(..., sampler=ShardSampler(...))")
-        return sampler
-
     def _shard_sampler(self, sampler: ShardSampler) -> ShardSampler:
-        """Exact mode: one slice count for the engine and the sampler (which
-        pads the last batch of an epoch to a multiple of it)."""
-        engine = self.exact
-        if engine is None:
-            return sampler
-        v = (engine.slice_count or sampler.slice_count
-             or default_slices(sampler.global_batch_size))
-        if sampler.slice_count not in (None, v):
-            raise ConfigError(f"Run(exact=True): the model has {v} slices, the "
-                              f"sampler {sampler.slice_count}; give both the same")
-        check_slices(v, sampler.global_batch_size, engine.world_size)
-        engine.set_slice_count(v)
-        sampler.set_slice_count(v)
+        if self.exact is not None:  # one slice count for the engine and the sampler
+            share_slice_count(self.exact, sampler)
         return sampler
 
     def _open_step_guard(self) -> None:
@@ -580,19 +425,8 @@ class Run:
         out: dict[str, Any] = {"step": self.step, "epoch": self._last_epoch + 1}
         if self.optimizer is not None:
             out["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        names = sorted(values)
-        # One float64 all-reduce for all of them: the record costs one collective. Each
-        # rank's peak memory rides in its own slot after them, so the sum lists them all.
-        vals = torch.zeros(len(names) + self.world_size, dtype=torch.float64, device=self.device)
-        for i, n in enumerate(names):
-            vals[i] = torch.as_tensor(values[n]).detach().to(self.device, torch.float64).reshape(())
-        vals[len(names) + self.rank] = peak_rss_mib()
-        if _initialized() and self.world_size > 1:
-            with self.guarded("metrics"):
-                dist.all_reduce(vals)
-        totals = vals.tolist()
-        out.update(zip(names, (v / self.world_size for v in totals[:len(names)]), strict=True))
-        out["rank_peak_rss_mib"] = [round(v) for v in totals[len(names):]]
+        with self.guarded("metrics"):  # one collective
+            out.update(mean_over_ranks(values, self.rank, self.world_size, self.device))
         now = time.perf_counter()
         if self.step > self._clock_step and now > self._clock:
             out["steps_per_s"] = (self.step - self._clock_step) / (now - self._clock)
@@ -601,56 +435,12 @@ class Run:
             self._metrics.write(out)
         return out
 
-
-class _Position:
-    """The sampler's state at the position the loop reached (not the one it was asked
-    for last: a prefetching DataLoader is ahead)."""
-
-    def __init__(self, run: Run):
-        self.run = run
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**self.run.sampler.state_dict(), "epoch": self.run.epoch,
-                "position": self.run.position}
-
-
-class _QuietWorker:
-    """A DataLoader ``worker_init_fn``: the workers ignore the stop signals from anyone
-    but their own parent.
-
-    Launchers signal the whole process group: torchrun's agent and SLURM send SIGTERM to
-    the loader's worker processes as well, which then die, and the main process raises
-    "DataLoader worker is killed by signal" in the middle of the step the preemption
-    should have finished. Ignoring SIGTERM outright is no better: at exit the parent
-    ends leftover workers with SIGTERM and waits for them. So the signals are blocked
-    and one thread reads who sent each (``sigwaitinfo``): SIGTERM from the parent ends
-    the worker, as torch's own handler does; the rest is dropped, and the loop stops
-    the workers itself once it has checkpointed.
-    """
-
-    def __init__(self, inner: Any, signals: tuple[int, ...]):
-        self.inner, self.signals = inner, tuple(signals)
-
-    def __call__(self, worker_id: int) -> None:
-        signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
-        threading.Thread(target=_parent_only, args=(self.signals, os.getppid()), daemon=True,
-                         name="ddpkit-loader-signals").start()
-        if self.inner is not None:
-            self.inner(worker_id)
-
-
-def _parent_only(signals: tuple[int, ...], parent: int) -> None:
-    while True:
-        info = signal.sigwaitinfo(signals)
-        if info.si_signo == signal.SIGTERM and info.si_pid == parent:
-            os._exit(0)
-
-
-def _real_ids(sampler: ShardSampler, epoch: int, start: int, stop: int) -> list[int]:
-    """The real samples this rank reads of the global batch [start, stop) (as in
-    ShardSampler: strided by rank, padding beyond ``stop`` left out)."""
-    order = sampler.order(epoch)
-    return [int(order[q]) for q in range(start + sampler.rank, stop, sampler.num_replicas)]
+    def write_record(self, record: Mapping[str, Any]) -> None:
+        """Rank 0 appends ``record`` as it is (it has a ``step``; every rank agreed on
+        it already, e.g. an epoch's reduced metrics) to metrics.jsonl; not a collective.
+        A resume cuts it with the records of later steps."""
+        if self._metrics is not None:
+            self._metrics.write(record, jsonl_only=True)
 
 
 # ShardBatch is what batches() yields without a loader; exported for type hints.

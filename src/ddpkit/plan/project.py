@@ -136,7 +136,7 @@ def powers_of_two(lo: int, hi: int) -> list[int]:
     return [2 ** k for k in range(math.ceil(math.log2(lo)), int(math.log2(hi)) + 1)]
 
 
-def format_table(rows: Sequence[Row], workload: Workload, intra: Link, inter: Link,
+def projection_table(rows: Sequence[Row], workload: Workload, intra: Link, inter: Link,
                  gpus_per_node: int, overlap: float, nics_per_node: int | None = None) -> str:
     algos = list(dict.fromkeys(r.algo for r in rows))
     step = workload.step()

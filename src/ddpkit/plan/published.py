@@ -82,7 +82,7 @@ def command(row: PublishedRow, spread: float | None = None) -> str:
     return shlex.join(argv)
 
 
-def predict(row: PublishedRow, spread: float | None = None) -> list[Comparison]:
+def predict_row(row: PublishedRow, spread: float | None = None) -> list[Comparison]:
     """The model's prediction (its best algorithm) for every GPU count of ``row``."""
     device = DEVICES[SETUP["device"]]
     if spread is not None:

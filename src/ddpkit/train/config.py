@@ -20,8 +20,9 @@ A TOML file has one table per concern, with the dataclasses' field names::
     [fault]
     collective_timeout = 300 # seconds
 
-Every value is checked once, in :meth:`Config.validate`, so a bad value fails before
-any process starts, as one line naming the key and what is allowed.
+Every section is a frozen dataclass that checks its values where it is built
+(``__post_init__``): an invalid config cannot exist, so a bad value fails before any
+process starts, as one line naming the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ddpkit.errors import ConfigError
 from ddpkit.slice_count import EXACT_THREADS, check_slices, default_slices
+from ddpkit.train.config_values import coerce, read_toml, with_current_keys
 from ddpkit.train.names import COMM_CHOICES, DATASETS, ENGINES, MODELS, SHARD_CHOICES
 from ddpkit.train.recipe import OPTIMIZERS, PRECISIONS, SCHEDULES, check_factory_spec
 
@@ -57,13 +58,22 @@ def flag(name: str, help: str, *, default: Any = dataclasses.MISSING,
     return field(default=default, default_factory=default_factory, metadata=meta)
 
 
+def _bad(key: str, msg: str) -> ConfigError:
+    return ConfigError(f"{key} {msg}")
+
+
+def _one_of(flag_name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise _bad(flag_name, f"{value!r} is not one of {', '.join(allowed)}")
+
+
 def flag_dest(name: str) -> str:
     """The argparse destination (and resolve() key) of a flag: ``--no-checkpoints`` ->
     ``checkpoints``, ``--batch-size`` -> ``batch_size``."""
     return name.lstrip("-").removeprefix("no-").replace("-", "_")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     name: str = flag("--data", f"dataset: {', '.join(DATASETS)}, or package.module:factory "
                      "returning (train, test) (default: digits)", default="digits",
@@ -73,16 +83,26 @@ class DataConfig:
                                "(default: 8192)", default=8192, metavar="N")
     drop_last: bool = False  # False: pad the last global batch (padding never counted)
 
+    def __post_init__(self) -> None:
+        check_factory_spec(self.name, "--data", DATASETS)
+        if self.synthetic_size < 1:
+            raise _bad("data.synthetic_size", f"must be >= 1, got {self.synthetic_size}")
 
-@dataclass
+
+@dataclass(frozen=True)
 class ModelConfig:
     name: str = flag("--model", f"model: {', '.join(MODELS)}, or package.module:factory "
                      "returning your nn.Module (default: mlp)", default="mlp", metavar="NAME")
     hidden: list[int] = flag("--hidden", "MLP hidden layer widths (default: 128)",
                              default_factory=lambda: [128], metavar="H")
 
+    def __post_init__(self) -> None:
+        check_factory_spec(self.name, "--model", MODELS)
+        if not self.hidden or any(h < 1 for h in self.hidden):
+            raise _bad("--hidden", f"must be positive integers, got {self.hidden}")
 
-@dataclass
+
+@dataclass(frozen=True)
 class OptimConfig:
     # SGD with momentum. Defaults above the tutorial's lr=0.01, momentum=0.5: on digits that
     # pair is far from converged after the default 20 epochs.
@@ -100,8 +120,22 @@ class OptimConfig:
     clip_grad_norm: float | None = flag("--clip-grad-norm", "clip the total gradient 2-norm "
                                         "to X before each step", default=None, metavar="X")
 
+    def __post_init__(self) -> None:
+        if not 0 < self.lr < math.inf:
+            raise _bad("--lr", f"must be > 0 and finite, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise _bad("--momentum", f"must be in [0, 1), got {self.momentum}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise _bad("--weight-decay", f"must be >= 0 and finite, got {self.weight_decay}")
+        _one_of("--optimizer", self.name, OPTIMIZERS)
+        _one_of("--lr-schedule", self.lr_schedule, SCHEDULES)
+        if self.warmup_steps < 0:
+            raise _bad("--warmup-steps", f"must be >= 0, got {self.warmup_steps}")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise _bad("--clip-grad-norm", f"must be > 0, got {self.clip_grad_norm}")
 
-@dataclass
+
+@dataclass(frozen=True)
 class TrainConfig:
     epochs: int = flag("--epochs", "epochs (default: 20)", default=20)
     # Global batch: each of W ranks reads batch_size // W per step.
@@ -153,8 +187,77 @@ class TrainConfig:
         "needs pip install 'ddpkit[tensorboard]'), comma-separated", default="",
         metavar="csv,tensorboard", group=RUN)
 
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise _bad("--epochs", f"must be >= 1, got {self.epochs}")
+        if self.batch_size < 1:
+            raise _bad("--batch-size", f"must be >= 1, got {self.batch_size}")
+        if self.grad_accum < 1:
+            raise _bad("--grad-accum", f"must be >= 1 (batches per optimizer step), got "
+                                       f"{self.grad_accum}")
+        _one_of("--precision", self.precision, PRECISIONS)
+        if self.eval_batch_size < 1:
+            raise _bad("train.eval_batch_size", f"must be >= 1, got {self.eval_batch_size}")
+        if self.seed < 0:
+            raise _bad("--seed", f"must be >= 0, got {self.seed}")
+        _one_of("--engine", self.engine, ENGINES)
+        _one_of("--comm", self.comm, COMM_CHOICES)
+        _one_of("--shard", self.shard, SHARD_CHOICES)
+        if self.shard != "none" and self.engine != "ddpkit":
+            raise _bad("--shard", f"{self.shard!r} needs --engine ddpkit (torch's DDP does not "
+                       "shard; torch's ZeroRedundancyOptimizer is the nearest)")
+        if self.threads < 0:
+            raise _bad("train.threads", f"must be >= 0, got {self.threads}")
+        if self.slices is not None and not self.exact:
+            raise _bad("--slices", "is exact mode's: add --exact")
+        if self.exact:
+            self._check_exact()
+        if not self.out_dir:
+            raise _bad("--out-dir", "must not be empty")
+        if self.log_every_steps < 0:
+            raise _bad("--log-every-steps", f"must be >= 0, got {self.log_every_steps}")
+        writers = [w.strip() for w in self.log_with.split(",") if w.strip()]
+        unknown = [w for w in writers if w not in ("csv", "tensorboard")]
+        if unknown:
+            raise _bad("--log-with", f"{unknown[0]!r} is not csv or tensorboard")
+        if "tensorboard" in writers and importlib.util.find_spec("tensorboard") is None:
+            raise _bad("--log-with", "tensorboard needs the tensorboard package: "
+                       "pip install 'ddpkit[tensorboard]' (or use csv)")
 
-@dataclass
+    def _check_exact(self) -> None:
+        if self.engine != "ddpkit":
+            raise _bad("--exact", "is ddpkit's engine's: leave out --engine torch")
+        if self.shard != "none":
+            raise _bad("--shard", f"{self.shard!r} does not combine with --exact (exact mode "
+                       "sums whole gradients on every rank): leave out --shard")
+        if self.grad_accum != 1:
+            raise _bad("--grad-accum", "does not combine with --exact: exact mode "
+                       "accumulates over slices; use a --batch-size N times larger "
+                       "and --slices (the same samples per step, summed exactly)")
+        check_slices(self.slice_count(), self.batch_size, None)
+
+    def thread_count(self, local_processes: int) -> int:
+        """Torch intra-op threads per process, the one place they are decided:
+        ``--threads``; else in exact mode the same count at every layout; else the
+        host's cores shared by its ``local_processes`` (oversubscribing them makes
+        every rank slower)."""
+        if self.threads:
+            return self.threads
+        if self.exact:
+            return EXACT_THREADS
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count())
+        return max(1, (cores or 1) // local_processes)
+
+    def slice_count(self) -> int | None:
+        """Exact mode's slices per step (the default for the batch when not given);
+        None in the default mode. The one place a run's slice count is decided."""
+        if not self.exact:
+            return None
+        return self.slices or default_slices(self.batch_size)
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Checkpoints go to ``<run dir>/checkpoints``; one is written at every epoch's end
     and, between epochs, every ``every_steps`` steps and/or ``every_seconds`` seconds."""
@@ -175,8 +278,16 @@ class CheckpointConfig:
         "torch.distributed.checkpoint directory: torch DDP, FSDP2, torchtitan or ddpkit",
         default=None, group=RUN, metavar="DIR")
 
+    def __post_init__(self) -> None:
+        if self.every_steps is not None and self.every_steps < 1:
+            raise _bad("--checkpoint-every-steps", f"must be >= 1, got {self.every_steps}")
+        if self.every_seconds is not None and not self.every_seconds > 0:
+            raise _bad("--checkpoint-every-seconds", f"must be > 0, got {self.every_seconds}")
+        if self.keep < 1:
+            raise _bad("--keep", f"must be >= 1 (checkpoints kept), got {self.keep}")
 
-@dataclass
+
+@dataclass(frozen=True)
 class FaultConfig:
     # Seconds any collective of the training loop may wait for the slowest rank before
     # the run fails naming the ranks that did not arrive. None: the process group's
@@ -185,8 +296,13 @@ class FaultConfig:
         "--collective-timeout", "fail, naming the ranks that did not arrive, when a collective "
         "waits longer than S seconds (default: 600)", default=None, group=RUN, metavar="S")
 
+    def __post_init__(self) -> None:
+        timeout = self.collective_timeout
+        if timeout is not None and not timeout > 0:
+            raise _bad("--collective-timeout", f"must be > 0 seconds, got {timeout}")
 
-@dataclass
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -204,123 +320,39 @@ class Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = "config") -> Config:
-        cfg = cls()
-        cfg.update(raw, source=source)
-        return cfg
+        return cls().replaced((raw, source))
 
-    def update(self, raw: dict[str, Any], *, source: str) -> None:
-        """Overlay ``{section: {field: value}}`` onto this config, checking names and types."""
+    def replaced(self, *layers: tuple[Mapping[str, Any], str]) -> Config:
+        """This config with each ``({section: {field: value}}, source)`` overlaid in
+        turn, names and types checked per source; each section touched is built (and
+        so checked) once, from all the layers: a value one layer needs may come from
+        a later one."""
         sections = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for section, values in with_current_keys(raw).items():
-            if section not in sections:
-                raise ConfigError(
-                    f"{source}: unknown section [{section}]; known: {', '.join(sections)}"
-                )
-            if not isinstance(values, dict):
-                raise ConfigError(f"{source}: [{section}] must be a table of key = value")
-            target = sections[section]
-            known = {f.name: f for f in dataclasses.fields(target)}
-            for key, value in values.items():
-                if key not in known:
+        merged: dict[str, dict[str, Any]] = {}
+        for raw, source in layers:
+            for section, values in with_current_keys(raw).items():
+                if section not in sections:
                     raise ConfigError(
-                        f"{source}: unknown key {section}.{key}; known: {', '.join(known)}"
+                        f"{source}: unknown section [{section}]; known: {', '.join(sections)}"
                     )
-                setattr(target, key, _coerce(value, getattr(target, key), known[key],
-                                             f"{source}: {section}.{key}"))
-
-    # ------------------------------------------------------------- validation
-    def validate(self) -> Config:
-        def bad(key: str, msg: str) -> ConfigError:
-            return ConfigError(f"{key} {msg}")
-
-        d, m, o, t = self.data, self.model, self.optim, self.train
-        check_factory_spec(d.name, "--data", DATASETS)
-        if d.synthetic_size < 1:
-            raise bad("data.synthetic_size", f"must be >= 1, got {d.synthetic_size}")
-        check_factory_spec(m.name, "--model", MODELS)
-        if not m.hidden or any(h < 1 for h in m.hidden):
-            raise bad("--hidden", f"must be positive integers, got {m.hidden}")
-        if not 0 < o.lr < math.inf:
-            raise bad("--lr", f"must be > 0 and finite, got {o.lr}")
-        if not 0 <= o.momentum < 1:
-            raise bad("--momentum", f"must be in [0, 1), got {o.momentum}")
-        if not 0 <= o.weight_decay < math.inf:
-            raise bad("--weight-decay", f"must be >= 0 and finite, got {o.weight_decay}")
-        if o.name not in OPTIMIZERS:
-            raise bad("--optimizer", f"{o.name!r} is not one of {', '.join(OPTIMIZERS)}")
-        if o.lr_schedule not in SCHEDULES:
-            raise bad("--lr-schedule", f"{o.lr_schedule!r} is not one of {', '.join(SCHEDULES)}")
-        if o.warmup_steps < 0:
-            raise bad("--warmup-steps", f"must be >= 0, got {o.warmup_steps}")
-        if o.clip_grad_norm is not None and not o.clip_grad_norm > 0:
-            raise bad("--clip-grad-norm", f"must be > 0, got {o.clip_grad_norm}")
-        if t.epochs < 1:
-            raise bad("--epochs", f"must be >= 1, got {t.epochs}")
-        if t.batch_size < 1:
-            raise bad("--batch-size", f"must be >= 1, got {t.batch_size}")
-        if t.grad_accum < 1:
-            raise bad("--grad-accum", f"must be >= 1 (batches per optimizer step), got "
-                                      f"{t.grad_accum}")
-        if t.precision not in PRECISIONS:
-            raise bad("--precision", f"{t.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if t.eval_batch_size < 1:
-            raise bad("train.eval_batch_size", f"must be >= 1, got {t.eval_batch_size}")
-        if t.seed < 0:
-            raise bad("--seed", f"must be >= 0, got {t.seed}")
-        if t.engine not in ENGINES:
-            raise bad("--engine", f"{t.engine!r} is not one of {', '.join(ENGINES)}")
-        if t.comm not in COMM_CHOICES:
-            raise bad("--comm", f"{t.comm!r} is not one of {', '.join(COMM_CHOICES)}")
-        if t.shard not in SHARD_CHOICES:
-            raise bad("--shard", f"{t.shard!r} is not one of {', '.join(SHARD_CHOICES)}")
-        if t.shard != "none" and t.engine != "ddpkit":
-            raise bad("--shard", f"{t.shard!r} needs --engine ddpkit (torch's DDP does not "
-                      "shard; torch's ZeroRedundancyOptimizer is the nearest)")
-        if t.threads < 0:
-            raise bad("train.threads", f"must be >= 0, got {t.threads}")
-        if t.slices is not None and not t.exact:
-            raise bad("--slices", "is exact mode's: add --exact")
-        if t.exact:
-            if t.engine != "ddpkit":
-                raise bad("--exact", "is ddpkit's engine's: leave out --engine torch")
-            if t.shard != "none":
-                raise bad("--shard", f"{t.shard!r} does not combine with --exact (exact mode "
-                          "sums whole gradients on every rank): leave out --shard")
-            if t.grad_accum != 1:
-                raise bad("--grad-accum", "does not combine with --exact: exact mode "
-                          "accumulates over slices; use a --batch-size N times larger "
-                          "and --slices (the same samples per step, summed exactly)")
-            check_slices(self.slice_count(), t.batch_size, None)
-        if not t.out_dir:
-            raise bad("--out-dir", "must not be empty")
-        if t.log_every_steps < 0:
-            raise bad("--log-every-steps", f"must be >= 0, got {t.log_every_steps}")
-        writers = [w.strip() for w in t.log_with.split(",") if w.strip()]
-        unknown = [w for w in writers if w not in ("csv", "tensorboard")]
-        if unknown:
-            raise bad("--log-with", f"{unknown[0]!r} is not csv or tensorboard")
-        if "tensorboard" in writers and importlib.util.find_spec("tensorboard") is None:
-            raise bad("--log-with", "tensorboard needs the tensorboard package: "
-                      "pip install 'ddpkit[tensorboard]' (or use csv)")
-        c = self.checkpoint
-        if c.every_steps is not None and c.every_steps < 1:
-            raise bad("--checkpoint-every-steps", f"must be >= 1, got {c.every_steps}")
-        if c.every_seconds is not None and not c.every_seconds > 0:
-            raise bad("--checkpoint-every-seconds", f"must be > 0, got {c.every_seconds}")
-        if c.keep < 1:
-            raise bad("--keep", f"must be >= 1 (checkpoints kept), got {c.keep}")
-        timeout = self.fault.collective_timeout
-        if timeout is not None and not timeout > 0:
-            raise bad("--collective-timeout", f"must be > 0 seconds, got {timeout}")
-        return self
+                if not isinstance(values, dict):
+                    raise ConfigError(f"{source}: [{section}] must be a table of key = value")
+                target = sections[section]
+                known = {f.name: f for f in dataclasses.fields(target)}
+                for key, value in values.items():
+                    if key not in known:
+                        raise ConfigError(
+                            f"{source}: unknown key {section}.{key}; known: {', '.join(known)}"
+                        )
+                    merged.setdefault(section, {})[key] = coerce(
+                        value, getattr(target, key), known[key], f"{source}: {section}.{key}")
+        changed = {name: dataclasses.replace(sections[name], **values)
+                   for name, values in merged.items()}
+        return dataclasses.replace(self, **changed) if changed else self
 
     def slice_count(self) -> int | None:
-        """Exact mode's slices per step (the default for the batch when not given);
-        None in the default mode."""
-        t = self.train
-        if not t.exact:
-            return None
-        return t.slices or default_slices(t.batch_size)
+        """Exact mode's slices per step (see :meth:`TrainConfig.slice_count`)."""
+        return self.train.slice_count()
 
     def identity(self) -> dict[str, Any]:
         """The settings a checkpoint must agree with to be resumed under this config:
@@ -332,8 +364,7 @@ class Config:
         train: dict[str, Any] = {"seed": t.seed, "batch_size": t.batch_size,
                                  "grad_accum": t.grad_accum}
         if t.exact:
-            train.update(exact=True, slices=self.slice_count(),
-                         threads=t.threads or EXACT_THREADS)
+            train.update(exact=True, slices=self.slice_count(), threads=t.thread_count(1))
         return {
             "data": {"name": d.name, "synthetic_size": d.synthetic_size,
                      "drop_last": d.drop_last},
@@ -341,79 +372,6 @@ class Config:
             "optim": dataclasses.asdict(self.optim),
             "train": train,
         }
-
-
-def _coerce(value: Any, current: Any, f: dataclasses.Field, key: str) -> Any:
-    """Check a file/CLI value against the field's type (bool is not an int here)."""
-    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-    if value is None:
-        if "None" in kind:
-            return None
-        raise ConfigError(f"{key} must not be empty")
-    if kind.startswith("list"):
-        if isinstance(value, int) and not isinstance(value, bool):
-            value = [value]
-        if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value
-        ):
-            raise ConfigError(f"{key} must be a list of integers, got {value!r}")
-        return list(value)
-    if kind.startswith("bool"):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} must be true or false, got {value!r}")
-        return value
-    if kind.startswith("int"):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        return value
-    if kind.startswith("float"):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} must be a number, got {value!r}")
-        return float(value)
-    if not isinstance(value, str):
-        raise ConfigError(f"{key} must be a string, got {value!r}")
-    return value
-
-
-# Keys that were renamed: a config file or a run's saved settings that use the old name
-# still load (section, old key) -> new key.
-RENAMED_KEYS = {("train", "virtual_shards"): "slices"}
-
-
-def with_current_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """``raw`` (``{section: {key: value}}``) with renamed keys under their current names."""
-    out: dict[str, Any] = {}
-    for section, values in raw.items():
-        if isinstance(values, Mapping):
-            values = {RENAMED_KEYS.get((section, k), k): v for k, v in values.items()}
-        out[section] = values
-    return out
-
-
-def read_toml(path: str | os.PathLike) -> dict[str, Any]:
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ModuleNotFoundError:
-            raise ConfigError(
-                "reading --config needs Python >= 3.11 or `pip install tomli`"
-            ) from None
-    path = Path(path)
-    try:
-        with path.open("rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"--config {path}: no such file") from None
-    except OSError as exc:
-        raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"--config {path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
-                          f"at offset {exc.start}); TOML files are UTF-8: save it as UTF-8")\
-            from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"--config {path}: not valid TOML ({exc})") from None
 
 
 def flag_fields() -> list[tuple[str, dataclasses.Field]]:
@@ -431,17 +389,17 @@ def resolve(
     base_source: str = "saved run config",
 ) -> Config:
     """Defaults, overlaid by ``base`` (a resumed run's own config), the TOML file and
-    the command line, in that order; validated."""
-    cfg = Config()
+    the command line, in that order; checked once, as the config is built."""
+    layers: list[tuple[Mapping[str, Any], str]] = []
     if base is not None:
-        cfg.update(base, source=base_source)
+        layers.append((base, base_source))
     if config_file is not None:
-        cfg.update(read_toml(config_file), source=f"--config {config_file}")
+        layers.append((read_toml(config_file), f"--config {config_file}"))
     overrides: dict[str, dict[str, Any]] = {}
     # Flags left unset on the command line are None: they do not override the file.
     for section, f in flag_fields():
         value = cli.get(flag_dest(f.metadata["flag"]))
         if value is not None:
             overrides.setdefault(section, {})[f.name] = value
-    cfg.update(overrides, source="command line")
-    return cfg.validate()
+    layers.append((overrides, "command line"))
+    return Config().replaced(*layers)

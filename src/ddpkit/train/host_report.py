@@ -21,7 +21,7 @@ from ddpkit.host_change import (
     STEP_NOTE_ENV,
     STOPPED,
     StepNote,
-    describe,
+    change_line,
     group_round,
 )
 from ddpkit.loop.inject import SLEEP, step_hooks
@@ -38,7 +38,7 @@ def reporting(trainer: Trainer, env: Mapping[str, str]) -> Iterator[None]:
     local_rank0 = env.get("LOCAL_RANK", "0") == "0"
     change = env.get(CHANGE_ENV)
     if change and local_rank0:
-        line = describe(json.loads(change), trainer.loop.step)
+        line = change_line(json.loads(change), trainer.run.step)
         print(f"ddpkit train: {line}", file=sys.stderr, flush=True)
     _park_this_round(trainer, env)
     path = env.get(STEP_NOTE_ENV)
@@ -46,12 +46,12 @@ def reporting(trainer: Trainer, env: Mapping[str, str]) -> Iterator[None]:
         yield
         return
     note = StepNote(path)
-    note.write(trainer.loop.step)
+    note.write(trainer.run.step)
     # First: the note says a step is done before any other callback acts on it.
-    trainer.step_callbacks.insert(0, lambda t: note.write(t.loop.step))
+    trainer.step_callbacks.insert(0, lambda t: note.write(t.run.step))
     try:
         yield
-        note.write(trainer.loop.step, STOPPED if trainer.preempted else FINISHED)
+        note.write(trainer.run.step, STOPPED if trainer.preempted else FINISHED)
     finally:
         note.close()
 
@@ -63,4 +63,4 @@ def _park_this_round(trainer: Trainer, env: Mapping[str, str]) -> None:
     step, seconds = fields[1:]
     for hook in step_hooks({SLEEP: f"{step}:*:{seconds}"}, trainer.world.rank, 0,
                            lambda: trainer.preemption.requested):
-        trainer.step_callbacks.append(lambda t, hook=hook: hook(t.loop.step))
+        trainer.step_callbacks.append(lambda t, hook=hook: hook(t.run.step))

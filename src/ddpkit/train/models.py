@@ -71,7 +71,7 @@ class ToyModel(nn.Module):
         return F.log_softmax(self.net2(self.relu(self.net1(self.flatten(x)))), dim=1)
 
 
-def build_model(
+def builtin_model(
     name: str, input_shape: Sequence[int], num_classes: int, *, hidden: Sequence[int] = (128,)
 ) -> nn.Module:
     """A fresh model for data of ``input_shape`` (one sample, no batch dimension)."""

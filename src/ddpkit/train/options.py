@@ -102,7 +102,7 @@ def config_from_args(args: argparse.Namespace, resume_dir: Path | None = None) -
     config the launching command resolved, as it is."""
     resolved = getattr(args, "resolved_config", None)
     if resolved is not None:
-        return Config.from_dict(json.loads(resolved), source="launching command").validate()
+        return Config.from_dict(json.loads(resolved), source="launching command")
     base = read_run_config(resume_dir) if resume_dir is not None else None
     return resolve(vars(args), args.config, base=base, base_source=f"{resume_dir}/config.json")
 

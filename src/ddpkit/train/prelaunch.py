@@ -67,10 +67,10 @@ def check_data(cfg: Config) -> None:
         return  # shapes are known only once the workers build them
     if cfg.model.name == "net":  # the one built-in model that fits one input shape only
         from ddpkit.data.datasets import DATASETS
-        from ddpkit.train.models import build_model
+        from ddpkit.train.build import build_model
 
         spec = DATASETS[cfg.data.name]
-        build_model(cfg.model.name, spec.input_shape, spec.num_classes, hidden=cfg.model.hidden)
+        build_model(cfg.model, spec.input_shape, spec.num_classes)  # the run's own builder
     if cfg.data.name == "mnist":  # the only one read from the user's files
         from ddpkit.data.datasets import load_dataset
 

@@ -77,7 +77,7 @@ class FileBar:
         self.start = self.last = time.perf_counter()
         # The run's clock starts with its first bar: (time, step) the ETA is measured from.
         if getattr(trainer, "_progress_clock", None) is None:
-            trainer._progress_clock = (self.start, trainer.loop.step)
+            trainer._progress_clock = (self.start, trainer.run.step)
         self.seen = 0
         try:
             self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
@@ -106,9 +106,9 @@ class FileBar:
         elapsed = now - self.start
         total = getattr(t, "total_steps", None)
         t0, s0 = t._progress_clock
-        eta = (total - t.loop.step) * (now - t0) / (t.loop.step - s0) if (
-            total and t.loop.step > s0) else None
-        record = {"step": t.loop.step, "total_steps": total,
+        eta = (total - t.run.step) * (now - t0) / (t.run.step - s0) if (
+            total and t.run.step > s0) else None
+        record = {"step": t.run.step, "total_steps": total,
                   "epoch": self.epoch + 1, "epochs": t.cfg.train.epochs,
                   "samples_per_s": self.seen / elapsed if elapsed > 0 else None,
                   "loss": loss if math.isfinite(loss) else None, "eta_s": eta,

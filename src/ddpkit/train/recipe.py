@@ -1,11 +1,12 @@
-"""The training recipe around the step: which model and data, which optimizer and
-learning-rate schedule, which precision, how many micro-batches per optimizer step and
-whether gradients are clipped. The trainer calls these; each is a plain function or a
-small object, so an own training loop can use them too.
+"""The training recipe around the step: the names a config may give, the learning-rate
+schedule, the precision, how many micro-batches per optimizer step and whether gradients
+are clipped. The trainer calls these per step; each is a plain function or a small
+object, so an own training loop can use them too. (What is built once, from model and
+data to optimizer, is :mod:`ddpkit.train.build`'s.)
 
 * ``--model package.module:factory`` / ``--data package.module:factory``: the user's
-  own ``nn.Module`` and data set (:func:`build_model`, :func:`load_data`);
-* ``--optimizer sgd|adamw`` (:func:`build_optimizer`);
+  own ``nn.Module`` and data set, found and called by the helpers here
+  (:func:`load_factory`, :func:`call_with`);
 * ``--lr-schedule constant|cosine`` with ``--warmup-steps`` (:func:`lr_at`): a pure
   function of the optimizer step, so the step counter in a checkpoint *is* the schedule's
   state and a resumed run follows the same learning rates bit for bit;
@@ -88,7 +89,7 @@ def load_factory(name: str, flag: str) -> Callable[..., Any]:
     return target
 
 
-def _call_with(factory: Callable[..., Any], offered: dict[str, Any], what: str) -> Any:
+def call_with(factory: Callable[..., Any], offered: dict[str, Any], what: str) -> Any:
     """Call ``factory`` with those of ``offered`` its signature names (all, given **kw)."""
     try:
         params = inspect.signature(factory).parameters
@@ -104,70 +105,7 @@ def _call_with(factory: Callable[..., Any], offered: dict[str, Any], what: str) 
     return factory(**{k: v for k, v in offered.items() if k in params})
 
 
-def build_model(model_cfg, input_shape: Sequence[int], num_classes: int):
-    """A fresh model: a built-in by name, or the user's ``factory(input_shape=...,
-    num_classes=..., hidden=...)`` (called with those of the keywords it takes). Like the
-    built-ins it must return log-probabilities (the loss is ``nll_loss``)."""
-    import torch.nn as nn
-
-    from ddpkit.train.models import build_model as build_builtin
-
-    name = model_cfg.name
-    if not is_factory(name):
-        return build_builtin(name, input_shape, num_classes, hidden=model_cfg.hidden)
-    factory = load_factory(name, "--model")
-    model = _call_with(factory, {"input_shape": tuple(input_shape), "num_classes": num_classes,
-                                 "hidden": list(model_cfg.hidden)}, f"--model {name}")
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"--model {name} returned {type(model).__name__}, not a "
-                          "torch.nn.Module")
-    return model
-
-
-def load_data(data_cfg):
-    """``(train, test)`` ArrayDatasets: a built-in by name, or the user's ``factory()``
-    returning ``(train, test)``, each an ArrayDataset or a pair ``(inputs, labels)`` of
-    tensors (labels 0..C-1; C is taken from both splits' labels)."""
-    import torch
-
-    from ddpkit.data.datasets import ArrayDataset, load_dataset
-
-    name = data_cfg.name
-    if not is_factory(name):
-        return load_dataset(name, data_cfg.data_dir, synthetic_size=data_cfg.synthetic_size)
-    factory = load_factory(name, "--data")
-    made = _call_with(factory, {"data_dir": data_cfg.data_dir}, f"--data {name}")
-    if not (isinstance(made, (tuple, list)) and len(made) == 2):
-        raise ConfigError(f"--data {name} must return (train, test), got {type(made).__name__}")
-    pairs = []
-    for split, part in zip(("train", "test"), made, strict=True):
-        if isinstance(part, ArrayDataset):
-            pairs.append((part.x, part.y))
-            continue
-        if not (isinstance(part, (tuple, list)) and len(part) == 2
-                and all(isinstance(t, torch.Tensor) for t in part)):
-            raise ConfigError(f"--data {name}: the {split} split must be an ArrayDataset or "
-                              "(inputs, labels) tensors")
-        pairs.append((part[0], part[1]))
-    classes = 1 + max(int(y.max()) for _, y in pairs if len(y))
-    tag = short_name(name)
-    return tuple(ArrayDataset(x.float(), y.long(), classes, tag) for x, y in pairs)
-
-
-# --------------------------------------------------------------------------- optimizer, LR
-def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
-    """``sgd`` (momentum, weight decay) or ``adamw`` (decoupled weight decay)."""
-    import torch
-
-    o = optim_cfg
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum,
-                               weight_decay=o.weight_decay)
-    if o.name == "adamw":
-        return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
-    raise ConfigError(f"--optimizer {o.name!r} is not one of {', '.join(OPTIMIZERS)}")
-
-
+# --------------------------------------------------------------------------- learning rate
 def lr_at(step: int, base_lr: float, schedule: str, warmup_steps: int,
           total_steps: int) -> float:
     """Learning rate of optimizer step ``step`` (0-based: the step about to be taken).
@@ -294,6 +232,6 @@ class Precision:
 
 
 __all__ = ["OPTIMIZERS", "PRECISIONS", "SCHEDULES", "Precision", "accumulation_groups",
-           "build_model", "build_optimizer", "check_factory_spec", "find_factory_module",
-           "is_factory", "load_data", "load_factory", "lr_at", "no_sync", "set_lr",
+           "call_with", "check_factory_spec", "find_factory_module",
+           "is_factory", "load_factory", "lr_at", "no_sync", "set_lr",
            "short_name", "steps_per_epoch"]

@@ -1,4 +1,5 @@
-"""What a run leaves behind: a fresh run directory, the JSONL log, the summary, the plot.
+"""What a run leaves behind: a fresh run directory, the summary, the weights, the plot
+(the metrics log is :mod:`ddpkit.loop.metrics_log`'s).
 
 Only rank 0 calls these. A run directory is never reused: its name is a timestamp plus a
 counter, created with ``exist_ok=False`` so two runs started in the same second (or on a
@@ -17,11 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpkit.durable import CountingSink, append_line, atomic_file, write_atomic
+from ddpkit.durable import CountingSink, atomic_file, write_atomic
 from ddpkit.errors import ConfigError
 from ddpkit.jsonfiles import json_safe
 
-METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "config.json"
 PLOT_FILE = "curves.png"
@@ -56,16 +56,6 @@ def new_run_dir(out_dir: str | os.PathLike, tag: str) -> Path:
     raise ConfigError(f"--out-dir {out}: could not find a free run directory name")
 
 
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    append_line(path, json.dumps(json_safe(record), sort_keys=True))
-
-
-def write_jsonl(path: Path, records: Sequence[dict[str, Any]]) -> None:
-    """Replace a JSONL file with ``records`` in one atomic step (a resume rewrites the
-    metrics log to the epochs its checkpoint has seen)."""
-    write_atomic(path, "".join(json.dumps(json_safe(r), sort_keys=True) + "\n" for r in records))
-
-
 def save_model(state: dict[str, Any], path: Path) -> None:
     """The trained weights, loadable with ``torch.load(path, weights_only=True)``;
     durable (fsync'd) when this returns."""
@@ -82,10 +72,6 @@ def save_model(state: dict[str, Any], path: Path) -> None:
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
     write_atomic(path, json.dumps(json_safe(data), indent=2, sort_keys=True) + "\n")
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
 def plot_curves(history: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 from ddpkit.errors import ConfigError
 from ddpkit.run_lock import LOCK_FILE
 from ddpkit.train import report
-from ddpkit.train.config import Config, with_current_keys
+from ddpkit.train.config import Config
+from ddpkit.train.config_values import with_current_keys
 from ddpkit.train.report import CHECKPOINT_DIR
 
 if TYPE_CHECKING:  # ddpkit.checkpoint imports torch: the launcher needs it only to resume

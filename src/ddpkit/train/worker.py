@@ -27,8 +27,9 @@ from pathlib import Path
 from ddpkit import host_change
 from ddpkit.fault import EXIT_PREEMPTED
 from ddpkit.launcher_link import die_with_launcher
+from ddpkit.loop.inject import step_hooks
 from ddpkit.runtime import distributed
-from ddpkit.train import host_report, inject
+from ddpkit.train import host_report
 from ddpkit.train.config import Config
 from ddpkit.train.entry import exit_process, run_entry
 from ddpkit.train.options import (
@@ -67,7 +68,10 @@ def run_worker(cfg: Config, plan: WorkerPlan | None = None,
     plan = plan or WorkerPlan()
     with distributed() as world:
         trainer = Trainer(cfg, world, run_dir=plan.run_dir)
-        inject.install(trainer, env or {}, plan.restart_count)
+        # The DDPKIT_TEST_* faults (ddpkit.loop.inject) the fault-tolerance tests ask for.
+        for hook in step_hooks(env or {}, world.rank, plan.restart_count,
+                               lambda: trainer.preemption.requested):
+            trainer.step_callbacks.append(lambda t, hook=hook: hook(t.run.step))
         if plan.resume or plan.restart_count > 0:
             trainer.restore(required=plan.resume)
         with host_report.reporting(trainer, env or {}):  # elastic jobs: the hosts' side

@@ -17,6 +17,7 @@ from ddpkit.comm import groups, ops
 from ddpkit.comm.backend import BackendAlgorithm
 from ddpkit.comm.shm import segment
 from ddpkit.comm.shm.communicator import ShmCommunicator, host_key
+from ddpkit.comm.shm.direct import DirectAllReduce
 from ddpkit.comm.shm.signature import signature_word
 from ddpkit.comm.shm.sync import memory_model_ok
 from ddpkit.errors import CommError
@@ -28,6 +29,7 @@ log = get_logger(__name__)
 # when its group dies (ddpkit.lifetime)
 _communicators = lifetime.PerGroup(on_drop=ShmCommunicator.close)
 _hosts = lifetime.PerGroup()  # group -> whether all its ranks share one host
+_DTYPES = {ops.dtype_label(d): d for d in ops.DTYPES}  # a signature's dtype name -> dtype
 
 
 def group_communicator(group: dist.ProcessGroup | None = None) -> ShmCommunicator | None:
@@ -113,14 +115,18 @@ class ShmAlgorithm:
             comm.all_reduce(tensor, op, signature=self._word(signature))
 
     def direct_all_reduce(self, op, group=None, *, signature=None):
-        """``all_reduce(flat, op)`` with ``signature`` checked in-band, bound now to the
-        group's communicator (the public layer remembers it for repeated calls), or None
-        where the call is not in-band."""
+        """``all_reduce(tensor, op)`` of a contiguous CPU tensor of the signature's dtype
+        (any shape), with ``signature`` checked in-band, bound now to the group's
+        communicator (the public layer remembers it for repeated calls), or None where
+        the call is not in-band."""
         comm = self._one_host(group)
         if comm is None:
             return None
         word = self._word(signature)
-        return lambda flat: comm.all_reduce(flat, op, signature=word)
+        dtype = None if signature is None else _DTYPES.get(signature.dtype)
+        if dtype is None or comm.local_size < 2:
+            return lambda flat: comm.all_reduce(flat, op, signature=word)
+        return DirectAllReduce(comm, op, dtype, word)
 
     def barrier(self, group=None, *, signature=None) -> None:
         comm = group_communicator(group)

@@ -42,8 +42,9 @@ from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.lifetime import no_python_tls
 from ddpkit.log import get_logger
 from ddpkit.parallel.engine.interfaces import CommHook
-from ddpkit.parallel.exact.exact_sum import PIECE_ELEMENTS, ExactMean
-from ddpkit.parallel.exact.exact_transport import ExactTransport
+from ddpkit.parallel.exact.exact_sum import PIECE_ELEMENTS
+from ddpkit.parallel.exact.exact_sum32 import FORMATS, choose_format, make_mean
+from ddpkit.parallel.exact.exact_transport import ExactTransport, agreed_settings
 from ddpkit.parallel.exact.slices import owned_slices, pin_numerics, slice_positions, slice_rng
 from ddpkit.slice_count import EXACT_THREADS, check_slices, saved_slice_count
 
@@ -78,15 +79,6 @@ def check_module(module: nn.Module, named_params: Sequence[tuple[str, nn.Paramet
                 "layout; use GroupNorm or LayerNorm, or track_running_stats=False")
 
 
-def _agreed_seed(transport: ExactTransport, world_size: int, device: torch.device) -> int:
-    """Rank 0's ``torch.initial_seed()`` (the seed the program gave torch), on every rank."""
-    seed = torch.tensor([torch.initial_seed() & ((1 << 63) - 1)], dtype=torch.int64,
-                        device=device)
-    if world_size > 1:
-        transport.broadcast([seed], 0)
-    return int(seed.item())
-
-
 class ExactReducer:
     """DataParallel's reducer in exact mode (see the module docstring); implements
     :class:`ddpkit.parallel.engine.interfaces.Reducer` on an
@@ -110,10 +102,13 @@ class ExactReducer:
         self.transport = transport
         self.find_unused = find_unused_parameters
         self.slice_count: int | None = None
+        # the sum's format ("int32", "float64"): fixed with V (the default depends on
+        # it), or by a checkpoint (a run keeps the format it started with)
+        self.sum_format: str | None = None
+        self.seed, self._requested_format = agreed_settings(
+            transport, self.world_size, self.device, seed)
         if slices is not None:
             self.set_slice_count(slices)
-        self.seed = (_agreed_seed(transport, self.world_size, self.device) if seed is None
-                     else int(seed))
         self.step = 0
         self._buffers = list(module.named_buffers())
         self._offsets: list[int] = []
@@ -132,7 +127,7 @@ class ExactReducer:
         self._packs: list = []  # per segment: (buffer, views per local slice) or None
         self._local_slices = 0
         self._result = torch.empty(total, dtype=torch.float32, device=self.device)
-        self._mean: ExactMean | None = None
+        self._mean: Any = None  # ExactMean32 or ExactMean, by the format
         self._local: int | None = None  # the local slice being run, inside slices()
         self._done = 0  # local slices of this step whose backward has ended
         self.armed = False
@@ -159,15 +154,30 @@ class ExactReducer:
             raise ConfigError(f"exact mode: this run has {self.slice_count} slices; "
                               f"they cannot change to {v} in the middle of it")
         self.slice_count = v
+        if self.sum_format is None:
+            self.sum_format = choose_format(v, self._requested_format)
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """What a resume needs: the slice count (it must not change), the step of the
-        slice streams and their seed."""
+        slice streams and their seed, and the sum's format (it must not change)."""
         return {"slices": int(self.slice_count or 0), "step": self.step,
-                "seed": self.seed}
+                "seed": self.seed, "sum_format": self.sum_format or ""}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = saved_slice_count(state)
+        # Checkpoints from before the int32 format summed in float64.
+        sum_format = state.get("sum_format") or "float64"
+        if sum_format not in FORMATS:
+            raise ConfigError(f"exact mode: this checkpoint's sum format {sum_format!r} is "
+                              f"unknown here (one of {', '.join(FORMATS)}); resume it with "
+                              "the ddpkit version that wrote it")
+        if sum_format != self.sum_format:
+            if self.sum_format is not None:
+                log.info(f"exact mode: continuing with the checkpoint's {sum_format} sum "
+                         f"(this run chose {self.sum_format}): the same bits as if "
+                         "uninterrupted")
+            self.sum_format = sum_format
+            self._mean = None  # rebuilt in that format at the next step
         if self.slice_count is None:
             self.set_slice_count(saved)
         self.step = int(state["step"])
@@ -225,9 +235,9 @@ class ExactReducer:
                 "call optimizer.zero_grad() (set_to_none=True, its default) before each step "
                 "(exact mode accumulates across slices, not across steps)")
         if self._mean is None or self._local_slices != local_slices:
-            self._mean = ExactMean(local_slices, self.numel, self.slice_count,
-                                   extra=len(self.params), device=self.device,
-                                   allocate=self.transport.allocate,
+            self._mean = make_mean(self.sum_format, local_slices, self.numel,
+                                   self.slice_count, extra=len(self.params),
+                                   device=self.device, allocate=self.transport.allocate,
                                    segments=[sum(self.params[i].numel() for i in run)
                                              for run in self._segments])
             self._packs = [self._pack(run, local_slices)

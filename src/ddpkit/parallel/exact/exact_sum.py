@@ -69,7 +69,7 @@ Reduce = Callable[[torch.Tensor], object]
 Allocate = Callable[[int, torch.dtype, torch.device | str], torch.Tensor]
 
 
-def _empty(numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def empty_buffer(numel: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, device=device)
 
 
@@ -83,6 +83,37 @@ def fixed_point_bits(terms: int) -> int:
 
 # One segment's local terms: a ``[k, size]`` tensor (k terms stacked) or k 1-D tensors.
 Column = torch.Tensor | Sequence[torch.Tensor]
+
+
+def checked_segments(rows: int, n: int, terms: int,
+                     segments: Sequence[int] | None) -> list[int]:
+    """The segment lengths (``[n]`` for None), checked with the local row count."""
+    if not 0 <= rows <= terms:
+        raise ValueError(f"{rows} local rows of {terms} terms")
+    segments = [n] if segments is None else [int(s) for s in segments]
+    if sum(segments) != n or any(s < 0 for s in segments):
+        raise ValueError(f"segments {segments} do not add up to {n} elements")
+    return segments
+
+
+def columns_of(slots: torch.Tensor | Sequence[Column], rows: int, n: int,
+               segments: Sequence[int]) -> list[Column]:
+    """``slots`` (a ``[rows, n]`` tensor, or per segment its local terms) as per-segment
+    columns, checked: at most ``rows`` terms of the segment's length each."""
+    if isinstance(slots, torch.Tensor):
+        if tuple(slots.shape) != (rows, n):
+            raise ValueError(f"slots {tuple(slots.shape)}, expected {(rows, n)}")
+        return list(slots.split(list(segments), dim=1))
+    columns = list(slots)
+    if len(columns) != len(segments):
+        raise ValueError(f"terms for {len(columns)} segments, expected {len(segments)}")
+    for column, size in zip(columns, segments, strict=True):
+        k = len(column)
+        if k > rows or any(t.numel() != size for t in column):
+            raise ValueError(f"a segment of {size} elements with {k} terms of "
+                             f"{[t.numel() for t in column]} elements (at most "
+                             f"{rows} terms)")
+    return columns
 
 
 class ExactMean:
@@ -99,16 +130,13 @@ class ExactMean:
     copied into a row), k <= rows; a missing term is a zero term.
     """
 
+    format = "float64"
+
     def __init__(self, rows: int, n: int, terms: int, *, extra: int = 0,
                  device: torch.device | str = "cpu", allocate: Allocate | None = None,
                  segments: Sequence[int] | None = None):
-        if not 0 <= rows <= terms:
-            raise ValueError(f"{rows} local rows of {terms} terms")
-        segments = [n] if segments is None else [int(s) for s in segments]
-        if sum(segments) != n or any(s < 0 for s in segments):
-            raise ValueError(f"segments {segments} do not add up to {n} elements")
+        self.segments = checked_segments(rows, n, terms, segments)
         self.rows, self.n, self.terms, self.extra = rows, n, terms, extra
-        self.segments = segments
         self.p = fixed_point_bits(terms)
         # On an accelerator there is no cache to stay in, and every op is a launch.
         on_cpu = torch.device(device).type == "cpu"
@@ -116,14 +144,14 @@ class ExactMean:
         # (start, end) in the n elements, the segment, (start, end) inside the segment
         self._piece_list: list[tuple[int, int, int, int, int]] = []
         offset = 0
-        for j, size in enumerate(segments):
+        for j, size in enumerate(self.segments):
             for a in range(0, size, self.piece):
                 b = min(size, a + self.piece)
                 self._piece_list.append((offset + a, offset + b, j, a, b))
             offset += size
         # The two all-reduced buffers may live where the collective reads them in place
         # (``allocate(numel, dtype, device)``: the host's shared-memory segment).
-        allocate = allocate or _empty
+        allocate = allocate or empty_buffer
         self.maxima = allocate(n + extra, torch.float32, device)
         self.total = allocate(n, torch.float64, device)
         width = min(n, self.piece)
@@ -155,21 +183,7 @@ class ExactMean:
             dtype=torch.float64, device=device)
 
     def _columns(self, slots: torch.Tensor | Sequence[Column]) -> list[Column]:
-        if isinstance(slots, torch.Tensor):
-            if tuple(slots.shape) != (self.rows, self.n):
-                raise ValueError(f"slots {tuple(slots.shape)}, expected {(self.rows, self.n)}")
-            return list(slots.split(self.segments, dim=1))
-        columns = list(slots)
-        if len(columns) != len(self.segments):
-            raise ValueError(f"terms for {len(columns)} segments, expected "
-                             f"{len(self.segments)}")
-        for column, size in zip(columns, self.segments, strict=True):
-            k = len(column)
-            if k > self.rows or any(t.numel() != size for t in column):
-                raise ValueError(f"a segment of {size} elements with {k} terms of "
-                                 f"{[t.numel() for t in column]} elements (at most "
-                                 f"{self.rows} terms)")
-        return columns
+        return columns_of(slots, self.rows, self.n, self.segments)
 
     def mean(self, slots: torch.Tensor | Sequence[Column], out: torch.Tensor, *,
              all_reduce_max: Reduce | None = None, all_reduce_sum: Reduce | None = None,
@@ -284,4 +298,4 @@ class ExactMean:
         return out
 
 
-__all__ = ["ExactMean", "fixed_point_bits"]
+__all__ = ["Column", "ExactMean", "checked_segments", "columns_of", "fixed_point_bits"]

@@ -18,6 +18,7 @@ Everything else the engine sends (the seed agreed at construction, and what any
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from ddpkit.comm import all_reduce as comm_all_reduce
 from ddpkit.parallel.engine import transport
 from ddpkit.parallel.engine.state_sync import broadcast_coalesced
+from ddpkit.parallel.exact.exact_sum32 import FORMAT_ENV, FORMATS, choose_format
 
 
 class ExactTransport:
@@ -78,3 +80,20 @@ class ExactTransport:
     def close(self) -> None:
         if self._shm is not None:
             self._shm.close()
+
+
+def agreed_settings(transport: ExactTransport, world_size: int, device: torch.device,
+                     seed: int | None) -> tuple[int, str | None]:
+    """Rank 0's seed (``seed``, else ``torch.initial_seed()``: the seed the program gave
+    torch) and requested sum format (``$DDPKIT_EXACT_SUM``, None: the default), on
+    every rank: a rank with another setting would send buffers of another dtype."""
+    requested = os.environ.get(FORMAT_ENV, "").strip() or None
+    choose_format(1, requested)  # a misspelt name: one line, before any collective
+    chosen = torch.initial_seed() if seed is None else int(seed)
+    agreed = torch.tensor([chosen & ((1 << 63) - 1),
+                           0 if requested is None else 1 + FORMATS.index(requested)],
+                          dtype=torch.int64, device=device)
+    if world_size > 1:
+        transport.broadcast([agreed], 0)
+    code = int(agreed[1])
+    return int(agreed[0]), None if code == 0 else FORMATS[code - 1]

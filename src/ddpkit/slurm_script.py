@@ -187,7 +187,9 @@ def render(job: SlurmJob, argv: Sequence[str] | None = None) -> str:
         if torchrun:  # under the agent every attempt reads as restart 0: say "resume"
             lines += [
                 "# The agent numbers the attempts of this job only; a requeued job resumes.",
-                'if compgen -G "$RUN_DIR/checkpoints/*.json" > /dev/null; then',
+                "# (a checkpoint is a directory with its manifest inside; format 1: step_N.json)",
+                'if compgen -G "$RUN_DIR/checkpoints/step_*/manifest.json" > /dev/null ||',
+                '        compgen -G "$RUN_DIR/checkpoints/step_*.json" > /dev/null; then',
                 '    RUN_ARGS=(--resume "$RUN_DIR")',
                 "else",
                 '    RUN_ARGS=(--run-dir "$RUN_DIR")',

@@ -33,13 +33,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpkit.data.datasets import ArrayDataset
-from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
 from ddpkit.launcher_link import die_with_launcher
-from ddpkit.parallel.exact.exact_sum import ExactMean
+from ddpkit.parallel.exact.exact_sum32 import choose_format, make_mean
 from ddpkit.parallel.exact.slices import slice_rng
 from ddpkit.runtime import distributed
-from ddpkit.train import recipe
+from ddpkit.train.build import Parts, Wrap, build_parts, load_data
 from ddpkit.train.config import Config
 from ddpkit.train.entry import exit_process, run_entry
 from ddpkit.train.metrics import MetricSums
@@ -49,7 +48,7 @@ from ddpkit.train.options import (
     add_verify_options,
     config_from_args,
 )
-from ddpkit.train.trainer import Trainer, Wrap, unwrap
+from ddpkit.train.trainer import Trainer, unwrap
 from ddpkit.world import World
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -114,20 +113,24 @@ def _cast(datasets: tuple[ArrayDataset, ArrayDataset], dtype: torch.dtype):
     return tuple(ArrayDataset(d.x.to(dtype), d.y, d.num_classes, d.name) for d in datasets)
 
 
-def reference_parameters(cfg: Config, train_set: ArrayDataset, steps: int,
-                         dtype: torch.dtype) -> list[torch.Tensor]:
+def reference_parts(cfg: Config, datasets: tuple[ArrayDataset, ArrayDataset],
+                    threads: int) -> Parts:
+    """The run's parts on one process, without an engine, on the CPU (at the thread
+    count of the run being checked, which shares this process)."""
+    return build_parts(cfg, World(), datasets=datasets, engine=False, threads=threads)
+
+
+def reference_parameters(cfg: Config, datasets: tuple[ArrayDataset, ArrayDataset],
+                         steps: int, dtype: torch.dtype, threads: int) -> list[torch.Tensor]:
     """Plain single-process SGD over the same global batches (no engine, no collectives)."""
-    torch.manual_seed(cfg.train.seed)
     with default_dtype(dtype):
-        model = recipe.build_model(cfg.model, train_set.input_shape, train_set.num_classes)
+        parts = reference_parts(cfg, datasets, threads)
+    model, opt, train_set = parts.module, parts.optimizer, parts.train_set
     model.train()
     _no_dropout(model)
-    opt = recipe.build_optimizer(model.parameters(), cfg.optim)
-    sampler = ShardSampler(train_set, global_batch_size=cfg.train.batch_size, num_replicas=1,
-                           rank=0, seed=cfg.train.seed, drop_last=cfg.data.drop_last)
     taken = 0
     while taken < steps:
-        for batch in sampler.batches():
+        for batch in parts.sampler.batches():
             x, y = train_set.batch(batch.indices)
             opt.zero_grad(set_to_none=True)
             F.nll_loss(model(x), y).backward()
@@ -138,25 +141,20 @@ def reference_parameters(cfg: Config, train_set: ArrayDataset, steps: int,
     return [p.detach().clone() for p in model.parameters()]
 
 
-def exact_reference_parameters(cfg: Config, train_set: ArrayDataset, steps: int,
-                               seed: int) -> list[torch.Tensor]:
+def exact_reference_parameters(cfg: Config, datasets: tuple[ArrayDataset, ArrayDataset],
+                               steps: int, seed: int, threads: int) -> list[torch.Tensor]:
     """Exact mode on one process in plain PyTorch: each step's V slices in order, each
     in its random stream ``(seed, step, slice)``, the loss of the trainer's exact step,
     then the exact mean of the V gradients (no engine, no collectives)."""
-    v = cfg.slice_count()
-    torch.manual_seed(cfg.train.seed)
-    model = recipe.build_model(cfg.model, train_set.input_shape, train_set.num_classes)
+    parts = reference_parts(cfg, datasets, threads)
+    v, model, opt, train_set = parts.slices, parts.module, parts.optimizer, parts.train_set
     model.train()
-    opt = recipe.build_optimizer(model.parameters(), cfg.optim)
-    sampler = ShardSampler(train_set, global_batch_size=cfg.train.batch_size, num_replicas=1,
-                           rank=0, seed=cfg.train.seed, drop_last=cfg.data.drop_last,
-                           slices=v)
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     rows = torch.empty(v, numel)
-    mean, result = ExactMean(v, numel, v), torch.empty(numel)
+    mean, result = make_mean(choose_format(v), v, numel, v), torch.empty(numel)
     for step in range(steps):
-        batch = next(sampler.batches())
+        batch = next(parts.sampler.batches())
         x, y = train_set.batch(batch.indices)
         opt.zero_grad(set_to_none=True)
         for k in range(v):
@@ -197,7 +195,7 @@ def verify(cfg: Config, world: World, *, steps: int = 10, dtype: str = "float32"
         raise ConfigError("ddpkit verify --exact compares float32 parameters (exact mode "
                           "sums float32, bfloat16 and float16 gradients)")
     torch_dtype = DTYPES[dtype]
-    datasets = _cast(recipe.load_data(cfg.data), torch_dtype)
+    datasets = _cast(load_data(cfg.data), torch_dtype)
     with default_dtype(torch_dtype):
         trainer = Trainer(cfg, world, datasets=datasets, wrap=wrap, write=False)
     trainer.model.train()
@@ -225,9 +223,10 @@ def verify(cfg: Config, world: World, *, steps: int = 10, dtype: str = "float32"
     if not world.is_main:
         return None
     if exact:
-        ref = exact_reference_parameters(cfg, datasets[0], steps, trainer.model.exact.seed)
+        ref = exact_reference_parameters(cfg, datasets, steps, trainer.model.exact.seed,
+                                         trainer.parts.threads)
     else:
-        ref = reference_parameters(cfg, datasets[0], steps, torch_dtype)
+        ref = reference_parameters(cfg, datasets, steps, torch_dtype, trainer.parts.threads)
     diff = max((a - b).abs().max().item() for a, b in zip(params, ref, strict=True))
     biggest = max(p.abs().max().item() for p in ref)
     tol = 0.0 if exact else tolerance(torch_dtype, steps, biggest)
@@ -235,7 +234,7 @@ def verify(cfg: Config, world: World, *, steps: int = 10, dtype: str = "float32"
                         engine=trainer.engine, max_abs_diff=diff,
                         max_rank_diff=rank_diff.item(), tolerance=tol, max_abs_param=biggest,
                         passed=diff <= tol and rank_diff.item() == 0.0,
-                        slices=cfg.slice_count() or 0)
+                        slices=trainer.parts.slices or 0)
 
 
 def run_verify_worker(cfg: Config, steps: int, dtype: str, result_file: str | None) -> int:
@@ -251,7 +250,7 @@ def run_verify_worker(cfg: Config, steps: int, dtype: str, result_file: str | No
 
 
 def verify_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ddpkit.train.verify")
+    p = argparse.ArgumentParser(prog="python -m ddpkit.train.equivalence")
     add_train_options(p)
     add_verify_options(p)
     add_resolved_config(p)

@@ -1,0 +1,119 @@
+"""Exact mode's 32-bit sum passes, compiled by torch's own compiler, eager as the fallback.
+
+:mod:`ddpkit.parallel.exact.exact_kernels` holds the passes as plain torch functions.
+Here they run compiled with ``torch.compile`` (inductor: one fused loop per pass,
+vectorized C++ on the CPU, Triton on CUDA), each term read once per pass, results
+written straight into the caller's buffers, no full-size temporaries. Compiled and
+eager give the same bits (every step is exact but the one rounding division and the
+cast, which both do the same way), so eager is the fallback:
+
+* ``DDPKIT_EXACT_COMPILE=0`` turns compiling off (eager from the start);
+* when compiling fails (no C++ compiler, a torch without inductor, ...) the process
+  logs one warning and runs eager from then on.
+
+Eager runs the same functions piece by piece (cache-sized pieces, so their
+temporaries stay in the cache).
+
+Threads: the passes' bits do not depend on how many threads split them, so the
+compiled loops use every core the rank has (:func:`sum_threads`: the cores this
+process may run on, divided among the host's ranks; ``DDPKIT_EXACT_SUM_THREADS=N``
+sets it) while torch's own thread count stays pinned for the slices' forward and
+backward (:mod:`ddpkit.parallel.exact.slices`). The compiled code is cached by inductor (its
+directory: ``TORCHINDUCTOR_CACHE_DIR``, by default ``/tmp/torchinductor_<user>``):
+the first process on a machine pays the compile, later ones load it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ddpkit.log import get_logger
+from ddpkit.parallel.exact import exact_kernels
+
+log = get_logger(__name__)
+
+COMPILE_ENV = "DDPKIT_EXACT_COMPILE"
+THREADS_ENV = "DDPKIT_EXACT_SUM_THREADS"
+# Elements per eager piece: a piece of every term and the piece's temporaries stay in
+# the L2 cache, and Python's per-op cost stays small next to the op.
+EAGER_PIECE = 1 << 15
+
+_compiled: dict[tuple[str, int], Callable] = {}
+_failed: list[str] = []  # the first compile failure's message, if any
+
+
+def compile_wanted() -> bool:
+    """Whether the passes run compiled here: not turned off by the environment and no
+    compile has failed in this process."""
+    return os.environ.get(COMPILE_ENV, "1").strip().lower() not in ("0", "false", "no",
+                                                                    "off") and not _failed
+
+
+def sum_threads() -> int:
+    """Threads for the compiled passes: ``$DDPKIT_EXACT_SUM_THREADS``, else the cores
+    this process may run on divided by the ranks on its host (``LOCAL_WORLD_SIZE``, as
+    launchers set it; else ``WORLD_SIZE``: all on one host, the cautious guess)."""
+    setting = os.environ.get(THREADS_ENV, "").strip()
+    if setting:
+        return max(1, int(setting))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity on this platform
+        cores = os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "1"
+    return max(1, cores // max(1, int(local)))
+
+
+def _compiled_pass(name: str) -> Callable:
+    threads = sum_threads()
+    fn = _compiled.get((name, threads))
+    if fn is None:
+        # dynamic: one kernel for every segment length (fewer compiles); fullgraph: a
+        # graph break would leave eager pieces behind without saying so; the thread
+        # count is fixed in the generated loop (OpenMP), whatever torch's is
+        fn = _compiled[(name, threads)] = torch.compile(
+            getattr(exact_kernels, name), dynamic=True, fullgraph=True,
+            options={"cpp.threads": threads})
+    return fn
+
+
+def _run(name: str, out: torch.Tensor, elementwise: Sequence[torch.Tensor],
+         terms: Sequence[torch.Tensor] | None, *scalars) -> None:
+    """``exact_kernels.<name>(out, *elementwise, [terms,] *scalars)``, compiled when
+    wanted (whole segment, one call), else eager in pieces."""
+    lists = () if terms is None else (list(terms),)
+    if compile_wanted():
+        try:
+            _compiled_pass(name)(out, *elementwise, *lists, *scalars)
+            return
+        except Exception as exc:  # noqa: BLE001  any compile failure: eager from here on
+            _failed.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            log.warning(f"exact mode: compiling the sum failed ({_failed[0]}); it runs "
+                        f"eager (the same bits, slower). {COMPILE_ENV}=0 skips the attempt")
+    eager = getattr(exact_kernels, name)
+    n = out.numel()
+    for a in range(0, n, EAGER_PIECE):
+        b = min(n, a + EAGER_PIECE)
+        pieces = () if terms is None else ([t[a:b] for t in terms],)
+        eager(out[a:b], *(t[a:b] for t in elementwise), *pieces, *scalars)
+
+
+def max_exponent(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
+    _run("max_exponent", out, (), terms)
+
+
+def encode(out: torch.Tensor, exponents: torch.Tensor, terms: Sequence[torch.Tensor],
+           p: int, special: bool) -> None:
+    _run("encode", out, (exponents,), terms, p, special)
+
+
+def decode(out: torch.Tensor, total: torch.Tensor, exponents: torch.Tensor, p: int,
+           twos: int, odd: torch.Tensor | None, special: bool) -> None:
+    _run("decode", out, (total, exponents), None, p, twos, odd, special)
+
+
+__all__ = ["COMPILE_ENV", "THREADS_ENV", "compile_wanted", "decode", "encode",
+           "max_exponent", "sum_threads"]

@@ -1,0 +1,195 @@
+"""The order-independent sum in 32 bits: exact mode's default format ("int32").
+
+The same idea as :mod:`ddpkit.parallel.exact.exact_sum` (the "float64" format): per
+element, every term is rounded onto one fixed-point grid chosen from the largest term,
+and integers add associatively. What travels is narrower:
+
+1. ``E_i``: the largest biased float32 exponent of element i's terms, one byte (uint8),
+   agreed with a MAX all-reduce (exact and order-free; the exponent of the maximum is
+   the maximum of the exponents). inf and NaN have E = 255.
+2. ``q_k[i] = round(g_k[i] * 2^(P + 126 - E_i))``, ``|q_k[i]| <= 2^P``, summed in
+   int32 locally and by a SUM all-reduce. ``P = 31 - bit_length(V)`` keeps V of them,
+   and every partial sum in any order, inside int32: the same integer whoever adds.
+3. ``result_i = total_i * 2^(E_i - 126 - P) / V`` in float64 (the power of two exact,
+   one rounding division), then the cast to the gradient's dtype.
+
+Bytes per element: 4 + 1 against the default mode's 4 (float32 SUM), where the
+float64 format moves 4 + 8.
+
+Accuracy: a term loses only its bits below ``2^(E_i - 127 - P)`` (half a grid step),
+so with ``g`` the true mean, per element ``|r - g| <= u |g| + 2^-53 |g| + 2^-P
+max_k |g_k|`` (u = 2^-24; the cast, the division, the terms' rounding). Float32
+summation of V terms then the division is bounded by ``u |g| + (V - 1) u sum_k |g_k|
+/ V``, and ``(V - 1) / V * 2^-24 >= 2^-25 >= 2^-P`` while ``P >= 25``: for V <= 63.
+That is the largest V this format serves (:data:`INT32_MAX_TERMS`); above it exact
+mode uses the float64 format (:func:`choose_format`).
+
+Non-finite terms: an element with an inf or NaN term has E = 255; its terms are then
+counted instead (+inf, -inf, NaN: 1, 64, 4096 each) and it comes out NaN when a term is
+NaN or infinities of both signs meet, else that infinity: float summation's result,
+the same on every grouping.
+
+The passes are :mod:`ddpkit.parallel.exact.exact_kernels`, run compiled or eager by
+:mod:`ddpkit.parallel.exact.exact_compile`: one pass over the local terms for the
+exponents (written straight into the buffer the MAX all-reduce reads), one for the
+integers (straight into the SUM all-reduce's buffer), one decode straight into ``out``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from ddpkit.errors import ConfigError
+from ddpkit.parallel.exact import exact_compile
+from ddpkit.parallel.exact.exact_sum import (
+    Allocate,
+    Column,
+    ExactMean,
+    Reduce,
+    checked_segments,
+    columns_of,
+    empty_buffer,
+)
+
+FORMATS = ("int32", "float64")
+FORMAT_ENV = "DDPKIT_EXACT_SUM"
+# The largest V with P = 31 - bit_length(V) >= 25 (see the module docstring).
+INT32_MAX_TERMS = 63
+
+
+def int32_bits(terms: int) -> int:
+    """P of the int32 format: ``terms`` integers of magnitude <= 2^P sum within int32."""
+    if not 1 <= terms <= INT32_MAX_TERMS:
+        raise ValueError(f"the int32 exact sum serves 1..{INT32_MAX_TERMS} terms, got {terms}")
+    return 31 - terms.bit_length()
+
+
+def choose_format(terms: int, requested: str | None = None) -> str:
+    """The sum's format for ``terms`` slices: ``requested`` (else ``$DDPKIT_EXACT_SUM``,
+    else "int32" up to :data:`INT32_MAX_TERMS` slices and "float64" above)."""
+    requested = requested or os.environ.get(FORMAT_ENV, "").strip() or None
+    if requested is None:
+        return "int32" if terms <= INT32_MAX_TERMS else "float64"
+    if requested not in FORMATS:
+        raise ConfigError(f"{FORMAT_ENV}={requested!r}: exact mode's sum format is one of "
+                          f"{', '.join(FORMATS)}")
+    if requested == "int32" and terms > INT32_MAX_TERMS:
+        raise ConfigError(f"exact mode: the int32 sum serves at most {INT32_MAX_TERMS} "
+                          f"slices, this run has {terms}; use {FORMAT_ENV}=float64 (or "
+                          "leave it unset: above that it is the default)")
+    return requested
+
+
+class ExactMean32:
+    """The "int32" format of :class:`~ddpkit.parallel.exact.exact_sum.ExactMean`: the
+    same constructor, ``mean`` / ``local_max`` / ``encode`` / ``decode`` and buffers
+    (``maxima``: the uint8 exponents, then ``extra`` uint8 values; ``total``: int32)."""
+
+    format = "int32"
+
+    def __init__(self, rows: int, n: int, terms: int, *, extra: int = 0,
+                 device: torch.device | str = "cpu", allocate: Allocate | None = None,
+                 segments: Sequence[int] | None = None):
+        self.segments = checked_segments(rows, n, terms, segments)
+        self.rows, self.n, self.terms, self.extra = rows, n, terms, extra
+        self.p = int32_bits(terms)
+        allocate = allocate or empty_buffer
+        # Where the collectives read them in place (the host's shared segment): the
+        # passes write their results there, nothing is copied in or out.
+        self.maxima = allocate(n + extra, torch.uint8, device)
+        self.total = allocate(n, torch.int32, device)
+        self._bounds = []
+        offset = 0
+        for size in self.segments:
+            self._bounds.append((offset, offset + size))
+            offset += size
+        # terms = odd * 2^twos: the power of two is part of the exact scaling, the odd
+        # part the one rounding division (a tensor: no reciprocal)
+        self._twos = (terms & -terms).bit_length() - 1
+        odd = terms >> self._twos
+        self._odd = None if odd == 1 else torch.tensor(float(odd), dtype=torch.float64,
+                                                       device=device)
+
+    def _columns(self, slots: torch.Tensor | Sequence[Column]) -> list[list[torch.Tensor]]:
+        return [list(column.unbind(0)) if isinstance(column, torch.Tensor) else list(column)
+                for column in columns_of(slots, self.rows, self.n, self.segments)]
+
+    def mean(self, slots: torch.Tensor | Sequence[Column], out: torch.Tensor, *,
+             all_reduce_max: Reduce | None = None, all_reduce_sum: Reduce | None = None,
+             extra_max: torch.Tensor | None = None) -> torch.Tensor:
+        """``out`` (any float dtype, n elements) = the mean over all terms.
+
+        ``extra_max``: ``extra`` small non-negative integers (0..255, e.g. per-parameter
+        "used" flags) carried in the same MAX all-reduce; they hold the reduced values
+        afterwards."""
+        columns = self._columns(slots)
+        self._local_max(columns)
+        if self.extra:
+            self.maxima[self.n:].copy_(extra_max.reshape(-1))
+        if all_reduce_max is not None:
+            all_reduce_max(self.maxima)
+        if self.extra:
+            extra_max.copy_(self.maxima[self.n:].view_as(extra_max))
+        self._encode(columns)
+        if all_reduce_sum is not None:
+            all_reduce_sum(self.total)
+        return self.decode(out)
+
+    def local_max(self, slots: torch.Tensor | Sequence[Column]) -> torch.Tensor:
+        """``maxima[i]`` = the largest biased exponent of the local terms of element i."""
+        return self._local_max(self._columns(slots))
+
+    def _local_max(self, columns: list[list[torch.Tensor]]) -> torch.Tensor:
+        for (a, b), column in zip(self._bounds, columns, strict=True):
+            if a == b:
+                continue
+            if column:
+                exact_compile.max_exponent(self.maxima[a:b], column)
+            else:  # no local term: exponent 0 is below every other
+                self.maxima[a:b].zero_()
+        return self.maxima[: self.n]
+
+    def encode(self, slots: torch.Tensor | Sequence[Column]) -> torch.Tensor:
+        """``total[i] = sum_k round(slots[k, i] * 2^k_i)`` in int32, exactly."""
+        return self._encode(self._columns(slots))
+
+    def _encode(self, columns: list[list[torch.Tensor]]) -> torch.Tensor:
+        for (a, b), column in zip(self._bounds, columns, strict=True):
+            if a == b:
+                continue
+            if column:
+                exact_compile.encode(self.total[a:b], self.maxima[a:b], column, self.p,
+                                     self._special(a, b))
+            else:
+                self.total[a:b].zero_()
+        return self.total
+
+    def decode(self, out: torch.Tensor) -> torch.Tensor:
+        """``out[i] = total[i] * 2^-k_i / terms``: exact scaling, one float64 rounding
+        division, the cast to ``out``'s dtype."""
+        out = out.view(-1)
+        if self.n:
+            exact_compile.decode(out, self.total, self.maxima[: self.n], self.p,
+                                 self._twos, self._odd, self._special(0, self.n))
+        return out
+
+    def _special(self, a: int, b: int) -> bool:
+        """Whether an element in [a, b) has an inf or NaN term (exponent 255): only then
+        do the passes count non-finite terms (one byte per element read to know)."""
+        return int(self.maxima[a:b].max()) == 255
+
+
+def make_mean(sum_format: str, rows: int, n: int, terms: int, **options):
+    """The exact mean of ``sum_format`` ("int32" or "float64")."""
+    if sum_format == "int32":
+        return ExactMean32(rows, n, terms, **options)
+    if sum_format == "float64":
+        return ExactMean(rows, n, terms, **options)
+    raise ValueError(f"unknown exact sum format {sum_format!r}; one of {', '.join(FORMATS)}")
+
+
+__all__ = ["FORMATS", "FORMAT_ENV", "INT32_MAX_TERMS", "ExactMean32", "choose_format",
+           "int32_bits", "make_mean"]

@@ -1,0 +1,106 @@
+"""Exact mode's int32 sum compiled by torch.compile gives the bits of the eager functions.
+
+One small shape (a compile costs seconds; inductor caches it on disk for later runs),
+over terms with every awkward value: zeros of both signs, subnormals, infinities of
+both signs, NaN, values near float32's largest, ties of the rounding (terms exactly
+half a grid step from two integers). A fake compile failure falls back to eager with
+one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ddpkit.parallel.exact import exact_compile
+from ddpkit.parallel.exact.exact_sum32 import int32_bits, make_mean
+
+
+def _step(v: int) -> float:
+    """The grid step of an element whose largest term is in [1, 2)."""
+    return 2.0 ** -(int32_bits(v) - 1)
+
+
+def _awkward_terms(v: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(v, n, generator=g) * torch.logspace(-44, 38, n).clamp_max(1e38)
+    x[:, 0], x[:, 1] = 0.0, -0.0
+    x[0, 2] = 1e-45
+    x[1, 3], x[2, 4] = float("inf"), float("nan")
+    x[0, 5], x[1, 5] = float("inf"), float("-inf")
+    x[:, 6] = 3e38
+    x[:, 7], x[:, 8] = 0.0, 0.0
+    x[0, 7], x[1, 7] = 1.0, 1.5 * _step(v)  # a tie of the rounding: to even, 2 steps
+    x[0, 8], x[1, 8] = 1.0, 2.5 * _step(v)  # to even, 2 steps
+    return x
+
+
+def _run(monkeypatch, compiled: bool, terms: torch.Tensor, groups: list[list[int]]):
+    """The mean as ranks holding ``groups`` of the rows would compute it; the
+    exponents, totals and result."""
+    monkeypatch.setenv(exact_compile.COMPILE_ENV, "1" if compiled else "0")
+    v, n = terms.shape
+    ranks = [make_mean("int32", len(g), n, v, segments=[n - 100, 100]) for g in groups]
+    for mean, g in zip(ranks, groups, strict=True):
+        mean.local_max(terms[g])
+    agreed = torch.stack([m.maxima for m in ranks]).amax(0)
+    for mean in ranks:
+        mean.maxima.copy_(agreed)
+    total = sum(m.encode(terms[g]).clone() for m, g in zip(ranks, groups, strict=True))
+    ranks[0].total.copy_(total)
+    result = ranks[0].decode(torch.empty(n))
+    return agreed, total, result.view(torch.int32)
+
+
+@pytest.mark.parametrize("v", [3, 4])  # with and without the division by an odd part
+def test_compiled_and_eager_sums_have_the_same_bits(monkeypatch, v):
+    assert exact_compile.compile_wanted() or exact_compile._failed == []
+    terms = _awkward_terms(v, 300)
+    groups = [[0, 2], [1]] + ([[3]] if v == 4 else [])
+    eager = _run(monkeypatch, False, terms, groups)
+    compiled = _run(monkeypatch, True, terms, groups)
+    assert not exact_compile._failed, exact_compile._failed  # it really compiled
+    for a, b in zip(eager, compiled, strict=True):
+        assert torch.equal(a, b)
+    # no inf or NaN anywhere: the passes without the non-finite counting
+    finite = torch.nan_to_num(terms, nan=0.0, posinf=0.0, neginf=0.0)
+    for a, b in zip(_run(monkeypatch, False, finite, groups),
+                    _run(monkeypatch, True, finite, groups), strict=True):
+        assert torch.equal(a, b)
+    result = eager[2].view(torch.float32)
+    assert torch.isinf(result[3]) and torch.isnan(result[4]) and torch.isnan(result[5])
+    rounded = torch.tensor((1.0 + 2 * _step(v)) / v, dtype=torch.float32)
+    assert result[7] == rounded and result[8] == rounded
+
+
+def test_a_failing_compile_falls_back_to_eager_with_one_warning(monkeypatch, caplog):
+    terms = _awkward_terms(3, 150)
+    eager = _run(monkeypatch, False, terms, [[0, 1, 2]])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(exact_compile, "_compiled_pass", lambda name: broken)
+    monkeypatch.setattr(exact_compile, "_failed", [])
+    with caplog.at_level(logging.WARNING, logger="ddpkit"):
+        fallen = _run(monkeypatch, True, terms, [[0, 1, 2]])
+    for a, b in zip(eager, fallen, strict=True):
+        assert torch.equal(a, b)
+    warnings = [r.getMessage() for r in caplog.records if "compiling the sum failed" in
+                r.getMessage()]
+    assert len(warnings) == 1 and "no C++ compiler found" in warnings[0]
+    assert not exact_compile.compile_wanted()
+
+
+def test_the_passes_use_the_cores_of_a_rank_unless_told(monkeypatch):
+    monkeypatch.delenv(exact_compile.THREADS_ENV, raising=False)
+    monkeypatch.setattr(exact_compile.os, "sched_getaffinity", lambda pid: set(range(16)),
+                        raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert exact_compile.sum_threads() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert exact_compile.sum_threads() == 1
+    monkeypatch.setenv(exact_compile.THREADS_ENV, "3")
+    assert exact_compile.sum_threads() == 3
