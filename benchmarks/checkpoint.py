@@ -1,7 +1,7 @@
 """What checkpointing costs the main job, and how long one save / restore takes.
 
     .venv/bin/python benchmarks/checkpoint.py [--rounds 3] [--json out.json]
-    .venv/bin/python benchmarks/checkpoint.py --formats [--rounds 3]   # format 1 vs DCP
+    .venv/bin/python benchmarks/checkpoint.py --formats --old-src DIR/src   # format 1 vs DCP
 
 ``--formats``: save and load time and size of the 200M-parameter model's checkpoint in
 format 1 against DCP, side by side (``benchmarks/checkpoint_formats.py``). Without it:

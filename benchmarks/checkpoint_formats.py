@@ -1,15 +1,17 @@
 """Format 1 (``step_N.pt`` + per-rank files) against DCP directories: save and load time
 and size on disk of the 200M-parameter model, 2 gloo ranks.
 
-    .venv/bin/python benchmarks/checkpoint.py --formats [--rounds 3] [--model mlp200m]
+    .venv/bin/python benchmarks/checkpoint.py --formats --old-src DIR/src [--rounds 3]
 
 (``benchmarks/checkpoint.py --formats`` runs this.) Format 1's writer exists only in
 the code before DCP, so each measurement is a fresh process (``ddpkit.spawn``, 2 ranks)
 of one code base: ``--old-src`` (a checkout of that code, default /work/main/src) for
 format 1, this tree for DCP, alternating in every round so that load drift hits both
-alike. In each process: ``benchmarks/zero.py``'s MLP (8 x Linear(5000, 5000): 200M
-parameters), ``DataParallel(shard=...)``, AdamW after one step, then ``repeats`` times
-``Checkpointer.save(collect_state(...))`` and ``load_latest`` + ``restore_state``
+alike. Format 1's code: ``git archive <commit before DCP> src | tar -x -C DIR``, then
+``--old-src DIR/src``. In each process: 8 x Linear(5000, 5000) (200M parameters, the
+size of ``benchmarks/zero.py``'s mlp200m), ``DataParallel(shard=...)``, AdamW after one
+step, then ``repeats`` times ``Checkpointer.save(collect_state(...))`` and
+``load_latest`` + ``restore_state``
 (the ranks meet at a barrier before and after each; rank 0's clock). Figures: medians
 over rounds of each process's median; size: the bytes of one checkpoint's files.
 """
@@ -28,6 +30,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
+# (width, Linear layers): benchmarks/zero.py's sizes, built here from torch alone, so
+# that the format 1 process imports nothing of this tree
+MODELS = {"mlp14m": (1536, 6), "mlp200m": (5000, 8)}
 
 
 def _job(world, directory: str, shard: str, model_name: str, repeats: int) -> dict:
@@ -35,16 +40,14 @@ def _job(world, directory: str, shard: str, model_name: str, repeats: int) -> di
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(HERE))
-    from zero import MODELS, make_model
-
     import ddpkit
     from ddpkit.checkpoint import Checkpointer, collect_state, restore_state
 
     torch.manual_seed(0)
-    ddp = ddpkit.DataParallel(make_model(model_name), shard=shard)
+    width, depth = MODELS[model_name]
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+    ddp = ddpkit.DataParallel(model, shard=shard)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
-    width = MODELS[model_name][0]
     x, y = torch.randn(4, width), torch.randint(0, width, (4,))
     F.cross_entropy(ddp(x), y).backward()
     opt.step()
@@ -123,7 +126,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=2, help="saves and loads per process")
     p.add_argument("--model", default="mlp200m")
     p.add_argument("--shards", nargs="+", default=["none", "gradients"])
-    p.add_argument("--old-src", default="/work/main/src", help="format 1's code (its src/)")
+    p.add_argument("--old-src", required="--worker" not in sys.argv,
+                   help="format 1's code: the src/ of a checkout before DCP")
     p.add_argument("--tmp", default=None, help="where the checkpoints go (default: $TMPDIR)")
     p.add_argument("--json", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

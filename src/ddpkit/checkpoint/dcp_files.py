@@ -165,11 +165,14 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 @contextlib.contextmanager
-def single_process_quiet() -> Iterator[None]:
+def dcp_quiet() -> Iterator[None]:
     """DCP warns on every save and load without a process group that it assumes one
-    process: that is what ddpkit means there, so the warning only adds noise."""
+    process (what ddpkit means there), and on every sharded tensor that ShardedTensor is
+    deprecated (ddpkit's ZeRO pieces are boxes DTensor cannot describe; nothing a user
+    can act on): noise, both."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor")
         yield
 
 

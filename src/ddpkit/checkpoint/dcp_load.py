@@ -7,9 +7,10 @@ against the model first (one line names every missing, extra or mis-shaped name)
 * the model: every tensor in full (every rank holds the whole model), then loaded the
   way :func:`~ddpkit.checkpoint.load_model_state` loads any state dict;
 * an unsharded optimizer: its state in full, by parameter name;
-* a ZeRO optimizer: only the parameters this rank holds a piece of, whatever world
-  size or sharding wrote them (DCP reads the overlapping parts of every saved chunk);
-  each rank then cuts its pieces out and hands them to the engine.
+* a ZeRO optimizer: only this rank's pieces, whatever world size or sharding wrote
+  them: each moment's target is a sharded tensor over the piece (the boxes that tile
+  it, views of one flat buffer), and DCP copies in the overlapping parts of every saved
+  chunk; the engine then takes the buffers as they are.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -28,12 +30,22 @@ from ddpkit.checkpoint.common import CheckpointError
 from ddpkit.checkpoint.dcp_files import (
     SafeLoadPlanner,
     SafeReader,
+    dcp_quiet,
     failure_text,
     read_metadata,
-    single_process_quiet,
 )
-from ddpkit.checkpoint.dcp_state import is_sharded, optimizer_from_names, parameter_aliases
-from ddpkit.checkpoint.model_state import check_model_state, load_model_state
+from ddpkit.checkpoint.dcp_state import (
+    is_sharded,
+    optimizer_from_names,
+    parameter_aliases,
+    sharded,
+)
+from ddpkit.checkpoint.model_state import (
+    check_model_state,
+    load_model_state,
+    strip_module_prefix,
+    unwrap,
+)
 from ddpkit.errors import DdpkitError
 from ddpkit.parallel.zero.sharded_state import FORMAT as SHARDED_FORMAT
 
@@ -48,6 +60,15 @@ def _meta(md: Any) -> Any:
     if isinstance(md, TensorStorageMetadata):
         return torch.empty(md.size, dtype=md.properties.dtype, device="meta")
     return None
+
+
+def _live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own tensors, by name, for DCP to read into in place (no second copy
+    of the model in memory); none under ZeRO-3, whose module tensors come and go."""
+    if getattr(model, "shard", "none") == "parameters":
+        return {}
+    return {k: v for k, v in strip_module_prefix(unwrap(model).state_dict()).items()
+            if isinstance(v, torch.Tensor)}
 
 
 def _optimizer_entries(md: Mapping[str, Any], prefix: str) -> tuple[dict, dict]:
@@ -84,20 +105,27 @@ def load_dcp(directory: str | Path, model: torch.nn.Module | None = None,
             gather()
         saved = {k[len(model_prefix):]: v for k, v in md.items() if k.startswith(model_prefix)}
         check_model_state(model, {k: _meta(v) for k, v in saved.items()}, source)
-        target.update({model_prefix + k: _empty(v, device) for k, v in saved.items()})
+        live = _live_tensors(model)
+        target.update({model_prefix + k: live.get(k, _empty(v, device)) if isinstance(
+            v, TensorStorageMetadata) else None for k, v in saved.items()})
     state_keys, group_keys = _optimizer_entries(md, optimizer_prefix)
     plan = None
     if optimizer is not None:
         plan = _optimizer_targets(model, md, state_keys, group_keys, target, device, source)
     try:
-        with single_process_quiet():
+        with dcp_quiet():
             dcp.load(target, storage_reader=SafeReader(directory), planner=SafeLoadPlanner(),
                      no_dist=not _initialized())
     except CheckpointException as err:
         raise CheckpointError(f"{source}: cannot load it: {failure_text(err)[0]}") from None
     if model is not None:
-        load_model_state(model, {k[len(model_prefix):]: v for k, v in target.items()
-                                 if k.startswith(model_prefix)}, source)
+        loaded = {k[len(model_prefix):]: v for k, v in target.items()
+                  if k.startswith(model_prefix)}
+        if live:  # read in place: only what DCP stored as bytes is left to load
+            unwrap(model).load_state_dict({k: v for k, v in loaded.items() if k not in live},
+                                          strict=False)
+        else:
+            load_model_state(model, loaded, source)
     if optimizer is not None:
         _apply_optimizer(model, optimizer, target, plan, keep_groups, source)
 
@@ -109,16 +137,46 @@ def _optimizer_targets(model: Any, md: Mapping[str, Any], state_keys: dict, grou
     if strangers:
         raise CheckpointError(f"{source}: its optimizer state names parameters this model does "
                               f"not have: {strangers[:8]}")
-    wanted = set(names)
-    if is_sharded(model):  # only the parameters this rank holds a piece of
-        reducer_names = [n.removeprefix("module.") for n in model.reducer.names]
-        wanted = {reducer_names[piece.param] for _, piece in model._sharding.params.pieces}
-    for (name, _field), key in state_keys.items():
-        if name in wanted:
-            target[key] = _empty(md[key], device)
+    pieces = _pieces(model) if is_sharded(model) else {}
+    flat: dict[str, tuple[int, int, torch.Tensor]] = {}
+    for (name, field), key in state_keys.items():
+        if pieces and name not in pieces:
+            continue  # ZeRO: no element of it on this rank
+        value = md[key]
+        if name in pieces and _along(field, value, pieces[name][2]):
+            # Only this rank's elements: a sharded tensor over views of one flat buffer.
+            start, stop, shape, every_rank = pieces[name]
+            buffer = torch.empty(stop - start, dtype=value.properties.dtype, device=device)
+            target[key] = sharded(buffer, start, stop, shape, every_rank)
+            flat[key] = (start, stop, buffer)
+        else:
+            target[key] = _empty(value, device)
     for key in group_keys.values():
         target[key] = None
-    return {"state": state_keys, "groups": group_keys}
+    return {"state": state_keys, "groups": group_keys, "flat": flat}
+
+
+def _along(field: str, md: Any, shape: tuple[int, ...]) -> bool:
+    """Whether a saved optimizer value runs along its parameter (AdamW's moments), the
+    rule of :mod:`ddpkit.parallel.zero.sharded_state`."""
+    return (isinstance(md, TensorStorageMetadata) and field != "step"
+            and tuple(md.size) == shape)
+
+
+def _pieces(model: Any) -> dict[str, tuple[int, int, tuple[int, ...], list]]:
+    """Collective: this rank's piece of each parameter it holds one of, (start, stop,
+    shape, every rank's (rank, start, stop) of that parameter)."""
+    names = [n.removeprefix("module.") for n in model.reducer.names]
+    shapes = [tuple(p.shape) for p in model.reducer.params]
+    mine = {names[piece.param]: (piece.start, piece.stop, shapes[piece.param])
+            for _, piece in model._sharding.params.pieces}
+    everyone: list[Any] = [mine]
+    if _initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    return {name: (a, b, shape, [(r, *found[name][:2]) for r, found in enumerate(everyone)
+                                 if name in found])
+            for name, (a, b, shape) in mine.items()}
 
 
 def _saved_optimizer(target: Mapping[str, Any], plan: dict) -> dict[str, Any]:
@@ -139,37 +197,33 @@ def _apply_optimizer(model: Any, optimizer: torch.optim.Optimizer, target: Mappi
         if not is_sharded(model):
             optimizer.load_state_dict(optimizer_from_names(optimizer, model, saved, keep_groups))
             return
-        model.load_optimizer_shards(optimizer, *_as_shards(model, optimizer, saved, keep_groups))
+        model.load_optimizer_shards(optimizer, *_as_shards(optimizer, saved, plan, keep_groups,
+                                                           len(model.reducer.bucket_sizes())))
     except (DdpkitError, ValueError, KeyError) as err:
         raise CheckpointError(f"{source}: optimizer state does not fit this optimizer: "
                               f"{err}") from None
 
 
-def _as_shards(model: Any, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any],
-               keep_groups: bool) -> tuple[dict, list[dict]]:
+def _as_shards(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], plan: dict,
+               keep_groups: bool, buckets: int) -> tuple[dict, list[dict]]:
     """(common, [part]) as ``DataParallel.load_optimizer_shards`` takes them: this rank's
-    pieces cut out of the full tensors loaded."""
-    names = [n.removeprefix("module.") for n in model.reducer.names]
-    shapes = {n: tuple(p.shape) for n, p in zip(names, model.reducer.params)}
+    pieces, as DCP read them, and the values kept per parameter (AdamW's step)."""
     pieces: dict[str, list] = {}
     scalars: dict[str, dict[str, Any]] = {}
     along: dict[str, str] = {}
     for name, values in saved["state"].items():
         for field, value in values.items():
-            if isinstance(value, torch.Tensor) and field != "step" \
-                    and tuple(value.shape) == shapes[name]:
-                along[field] = str(value.dtype).removeprefix("torch.")
-                flat = value.reshape(-1)
-                pieces.setdefault(name, []).extend(
-                    [piece.start, piece.stop, field, flat[piece.start:piece.stop]]
-                    for _, piece in model._sharding.params.pieces
-                    if names[piece.param] == name)
+            key = plan["state"][(name, field)]
+            if key in plan["flat"]:
+                start, stop, buffer = plan["flat"][key]
+                along[field] = str(buffer.dtype).removeprefix("torch.")
+                pieces.setdefault(name, []).append([start, stop, field, buffer])
             else:
                 scalars.setdefault(name, {})[field] = value
     groups = saved["param_groups"]
     if keep_groups or not groups:
         groups = optimizer.state_dict()["param_groups"]
-    common = {"format": SHARDED_FORMAT, "buckets": len(model.reducer.bucket_sizes()),
+    common = {"format": SHARDED_FORMAT, "buckets": buckets,
               "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in groups]}
     return common, [{"pieces": pieces, "scalars": scalars, "along": along}]
 
@@ -180,7 +234,7 @@ def read_model_state(directory: str | Path, prefix: str = "model.") -> dict[str,
     model to load them into."""
     md = read_metadata(directory).state_dict_metadata
     target = {k: _empty(v, torch.device("cpu")) for k, v in md.items() if k.startswith(prefix)}
-    with single_process_quiet():
+    with dcp_quiet():
         dcp.load(target, storage_reader=SafeReader(directory), planner=SafeLoadPlanner(),
                  no_dist=True)
     return {k[len(prefix):]: v for k, v in target.items()}

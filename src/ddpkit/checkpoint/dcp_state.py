@@ -83,7 +83,11 @@ def sharded(flat: torch.Tensor, start: int, stop: int, shape: tuple[int, ...],
                    ShardMetadata(list(off), list(size), f"rank:{_rank()}/{where}"))
              for off, size, s, e in boxes(start, stop, shape)]
     meta = ShardedTensorMetadata(shards_md, torch.Size(shape), _props(flat))
-    return ShardedTensorBase._init_from_local_shards_and_global_metadata(local, meta)
+    tensor = ShardedTensorBase._init_from_local_shards_and_global_metadata(local, meta)
+    # torch's sharded ops (``size()``, which DCP's load planner asks) take the group from
+    # here; the base constructor leaves it unset. None: the default group.
+    tensor._process_group = None
+    return tensor
 
 
 # ---------------------------------------------------------------------- saving
@@ -133,9 +137,10 @@ def _sharded_optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> di
     common, mine = model.optimizer_shard_state(optimizer)
     names = [n.removeprefix("module.") for n in model.reducer.names]
     shapes = {n: tuple(p.shape) for n, p in zip(names, model.reducer.params)}
+    order = {n: i for i, n in enumerate(names)}.__getitem__  # registration order
     piece_name = {id(p): n.removeprefix("module.") for n, p in model.named_parameters()}
     groups = [sorted({piece_name[id(p)] for p in g["params"] if id(p) in piece_name},
-                     key=names.index) for g in optimizer.param_groups]
+                     key=order) for g in optimizer.param_groups]
     spans = {(n, key): (start, stop) for n, entries in mine["pieces"].items()
              for start, stop, key, _ in entries}
     everyone: list[Any] = [(groups, spans)]
@@ -150,7 +155,7 @@ def _sharded_optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> di
             state.setdefault(n, {})[key] = sharded(tensor, start, stop, shapes[n], ranks)
     for n, values in mine["scalars"].items():
         state.setdefault(n, {}).update(values)
-    members = [sorted({n for found in everyone for n in found[0][g]}, key=names.index)
+    members = [sorted({n for found in everyone for n in found[0][g]}, key=order)
                for g in range(len(optimizer.param_groups))]
     return {"state": state,
             "param_groups": [{**g, "params": m} for g, m in zip(common["param_groups"], members)]}

@@ -54,6 +54,8 @@ def parse_manifest(path: Path, text: str, step_of_name: int) -> CheckpointInfo |
         )
         if path.suffix == ".pt" and "bytes" not in meta:
             raise KeyError("bytes")
+        if path.suffix != ".pt" and not info.files:  # a directory's manifest lists them
+            raise KeyError("files")
     except ValueError as err:
         what = "empty" if not text.strip() else f"not valid JSON ({err})"
         return f"its manifest {manifest.name} is damaged: truncated or corrupt, {what}"

@@ -38,10 +38,10 @@ from ddpkit.checkpoint.common import (
 )
 from ddpkit.checkpoint.dcp_files import (
     METADATA,
+    dcp_quiet,
     disk_full_in,
     failure_text,
     hashing_writer,
-    single_process_quiet,
 )
 from ddpkit.durable import TMP_MARK, DiskFullError, atomic_file, free_bytes, fsync_dir, write_atomic
 
@@ -119,7 +119,7 @@ def _write_dcp(tmp: Path, final: Path, part: dict[str, Any], run_bytes: Callable
                ) -> tuple[tuple[bool, str, Any], dict[str, tuple[int, str]]]:
     writer, written = hashing_writer(tmp)
     try:
-        with single_process_quiet():
+        with dcp_quiet():
             dcp.save(part, storage_writer=writer, no_dist=not _initialized())
     except CheckpointException as err:
         if disk_full_in(err):
