@@ -18,7 +18,7 @@ def collected_names() -> dict[str, set[str]]:
     parametrization's (what pytest_collection_modifyitems matches)."""
     files = sorted(str(TESTS / name) for name in SLOW if (TESTS / name).exists())
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                           "-p", "no:cacheprovider", *files],
+                           "-p", "no:cacheprovider", "-o", "addopts=", *files],
                           cwd=TESTS.parent, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     names: dict[str, set[str]] = {}
