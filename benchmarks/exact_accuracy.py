@@ -5,7 +5,8 @@ Trains the main job (``ddpkit train --exact`` defaults: digits, MLP, global batc
 means of the same V per-slice float32 gradients with the float64 mean of those float32
 terms (exact to 2^-53, the reference):
 
-* ``exact, int32``   - exact mode's result in its default format (``ExactMean32``);
+* ``exact, int32``   - exact mode's result in the int32 format (``ExactMean32``; the
+  default from 16384 elements, so not the main job's, which sums in float64);
 * ``exact, float64`` - the float64 format's result on the same terms (``ExactMean``);
 * ``float32`` - ``sum(rows) / V`` in float32, in slice order (one process's plain sum);
 * ``float32, pairs`` - the same sum grouped as 2 ranks would (even and odd slices).

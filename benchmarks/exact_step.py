@@ -16,6 +16,10 @@ same on every rank), every round on fresh random batches:
   for the global batch (``ddpkit.slice_count.default_slices``) or ``--slices``;
 * ``exact_1pr`` - exact mode with V = W: one slice per rank, so the gap to ``default``
   is the exact sum alone, and the gap to ``exact`` the cost of more, smaller passes;
+* ``exact_compiled``, ``exact_eager``, ``exact_f64`` and the same for ``exact_1pr`` (with
+  ``--sum-variants``) - the sum's ways side by side: the int32 format's passes always
+  compiled (``DDPKIT_EXACT_COMPILE=1``), always eager (``=0``), and the float64 format
+  (``DDPKIT_EXACT_SUM=float64``; its passes are eager torch operations);
 * ``exact_base``, ``exact_1pr_base`` (with ``--baseline-src DIR``) - the same two, with
   the exact-mode reducer and sum of another ddpkit source tree (DIR: its ``src``, e.g.
   of a ``git worktree`` of an older commit), to compare two implementations in the
@@ -32,7 +36,7 @@ The workers run with the heap settings ``ddpkit launch`` and ``ddpkit train`` gi
 theirs (:mod:`ddpkit.host_malloc`; ``DDPKIT_SYSTEM_MALLOC=1`` keeps glibc's defaults).
 
 Run:  python benchmarks/exact_step.py [--world-size 2 --rounds 7 --json out.json]
-      [--baseline-src /path/to/other/checkout/src]
+      [--baseline-src /path/to/other/checkout/src] [--sum-variants]
 """
 
 from __future__ import annotations
@@ -55,8 +59,9 @@ from torch import nn
 import ddpkit
 from ddpkit.bench.output import save_json
 from ddpkit.host_malloc import worker_malloc_env
+from ddpkit.parallel.exact.exact_compile import COMPILE_ENV
 from ddpkit.parallel.exact.exact_sum import ExactMean
-from ddpkit.parallel.exact.exact_sum32 import ExactMean32
+from ddpkit.parallel.exact.exact_sum32 import FORMAT_ENV, ExactMean32
 from ddpkit.parallel.exact.exact_transport import ExactTransport
 from ddpkit.slice_count import default_slices
 from ddpkit.train.models import MLP
@@ -167,6 +172,27 @@ def _cases(opts: dict) -> list[tuple[str, int, int, int]]:
     return cases
 
 
+# --sum-variants: suffix -> (environment while the engine is built, while it steps)
+SUM_VARIANTS = {"_compiled": ({}, {COMPILE_ENV: "1"}),
+                "_eager": ({}, {COMPILE_ENV: "0"}),
+                "_f64": ({FORMAT_ENV: "float64"}, {})}
+
+
+def _set_env(settings: dict[str, str]) -> dict[str, str | None]:
+    """Apply ``settings`` to the environment; what they replaced (None: unset)."""
+    before = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
+    return before
+
+
+def _restore_env(before: dict[str, str | None]) -> None:
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def worker(world: ddpkit.World, opts: dict) -> dict:
     torch.set_num_threads(1)
     _instrument()
@@ -186,6 +212,9 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
         variants = [("default", None), ("exact", v), ("exact_1pr", W)]
         if baseline is not None:
             variants += [("exact_base", v), ("exact_1pr_base", W)]
+        if opts["sum_variants"]:
+            variants += [(f"exact{one}{suffix}", s) for one, s in (("", v), ("_1pr", W))
+                         for suffix in SUM_VARIANTS]
         for variant, slices in variants:
             if slices is not None and (batch % slices or slices % W):
                 continue
@@ -195,13 +224,17 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
             elif variant.endswith("_base"):
                 model, slice_loop = _baseline_model(baseline, module, slices)
             else:
+                build_env, _ = SUM_VARIANTS.get(variant[variant.rfind("_"):], ({}, {}))
+                before = _set_env(build_env)
                 model = ddpkit.DataParallel(module, exact=True, slices=slices)
+                _restore_env(before)
                 slice_loop = model.slices
             torch.set_num_threads(1)  # exact mode pins 1 too; the default the same
             runs[(model_name, batch, variant)] = {
                 "model": model, "slice_loop": slice_loop,
                 "opt": torch.optim.SGD(model.parameters(), lr=0.01),
                 "slices": slices, "width": width, "batch": batch, "times": [],
+                "step_env": SUM_VARIANTS.get(variant[variant.rfind("_"):], ({}, {}))[1],
                 "phases": collections.defaultdict(list)}
     keys = list(runs)
     for round_index in range(opts["rounds"]):
@@ -219,6 +252,7 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
             # Process-wide settings as each mode has them: exact mode turns on torch's
             # deterministic algorithms (building an exact engine did it for everyone).
             torch.use_deterministic_algorithms(r["slices"] is not None, warn_only=True)
+            before = _set_env(r["step_env"])
             for i in range(steps):
                 dist.barrier()
                 _spent.clear()
@@ -237,6 +271,7 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
                     if r["slices"] is not None:
                         for phase in PHASES:
                             r["phases"][phase].append(_spent.get(phase, 0.0))
+            _restore_env(before)
         if rank == 0:
             print(f"  round {round_index + 1}/{opts['rounds']} done", file=sys.stderr, flush=True)
     out = {}
@@ -261,13 +296,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", default=os.path.join("benchmarks", "results", "exact_step.json"))
+    p.add_argument("--sum-variants", action="store_true",
+                   help="also the int32 sum always compiled, always eager, and the float64 sum")
     p.add_argument("--baseline-src", default=None,
                    help="another ddpkit source tree (its src/): its exact mode runs too")
     args = p.parse_args(argv)
     opts = {"main_batch": args.main_batch,
             "mlp_batches": [int(b) for b in args.mlp_batches.split(",") if b],
             "slices": args.slices, "rounds": args.rounds, "steps": args.steps,
-            "warmup": args.warmup,
+            "warmup": args.warmup, "sum_variants": args.sum_variants,
             "baseline_src": os.path.abspath(args.baseline_src) if args.baseline_src else None}
     print(f"exact_step: {args.world_size} ranks gloo, 1 thread/rank, cases "
           f"{_cases(opts)}", file=sys.stderr)

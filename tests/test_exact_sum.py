@@ -17,7 +17,9 @@ from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.exact.exact_sum import fixed_point_bits
 from ddpkit.parallel.exact.exact_sum32 import (
+    FORMAT_ENV,
     INT32_MAX_TERMS,
+    SMALL_SUM_ELEMENTS,
     choose_format,
     int32_bits,
     make_mean,
@@ -189,14 +191,49 @@ def test_extra_values_ride_along_in_the_max(fmt):
     assert flags.tolist() == [1.0, 1.0, 0.0]
 
 
-def test_the_int32_format_serves_up_to_63_slices_and_float64_above():
+def test_the_int32_format_serves_up_to_63_slices_and_float64_above(monkeypatch):
+    monkeypatch.delenv(FORMAT_ENV, raising=False)
+    big = SMALL_SUM_ELEMENTS
     assert [int32_bits(v) for v in (1, 2, 3, 4, 8, 12, 63)] == [30, 29, 29, 28, 27, 27, 25]
-    assert choose_format(63) == "int32" and choose_format(64) == "float64"
-    assert choose_format(12, "float64") == "float64"
+    assert choose_format(63, numel=big) == "int32"
+    assert choose_format(64, numel=big) == "float64"
+    assert choose_format(12, "float64", numel=big) == "float64"
     with pytest.raises(ConfigError, match="at most 63 slices.*DDPKIT_EXACT_SUM=float64"):
-        choose_format(64, "int32")
+        choose_format(64, "int32", numel=big)
     with pytest.raises(ConfigError, match="one of int32, float64"):
-        choose_format(8, "int16")
+        choose_format(8, "int16", numel=big)
+
+
+def test_small_models_sum_in_float64_by_default_at_every_world_size(pools, monkeypatch):
+    """Below SMALL_SUM_ELEMENTS trainable elements the default is the float64 format,
+    from the element count and V alone: an engine at W = 1 and at W = 2 picks the same
+    (the main job's MLP is small, the 8.4M benchmark MLP is not); asked for, int32
+    still serves a small model."""
+    monkeypatch.delenv(FORMAT_ENV, raising=False)
+    assert choose_format(8, numel=SMALL_SUM_ELEMENTS - 1) == "float64"
+    assert choose_format(8, numel=SMALL_SUM_ELEMENTS) == "int32"
+    assert choose_format(8, "int32", numel=10) == "int32"
+    for world in (1, 2):
+        picked = pools(world).run(_engine_formats)
+        assert picked == [{"small": "float64", "large": "int32"}] * world, (world, picked)
+
+
+def _engine_formats(world):
+    import ddpkit
+    from ddpkit.train.models import MLP
+
+    small = MLP(64, 10, (128,))  # the main job's model
+    large = torch.nn.Linear(128, SMALL_SUM_ELEMENTS // 128)
+    picked = {}
+    try:
+        for name, module in (("small", small), ("large", large)):
+            model = ddpkit.DataParallel(module, exact=True, slices=4)
+            picked[name] = model.exact.sum_format
+            model.transport.close()
+    finally:  # the process-wide settings exact mode pins, put back for later tests
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(1)
+    return picked
     # 63 terms of the largest integer P allows, any order, stay inside int32
     assert INT32_MAX_TERMS * 2**int32_bits(INT32_MAX_TERMS) < 2**31
     mean = make_mean("int32", 63, 4, 63)

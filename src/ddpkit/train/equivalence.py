@@ -152,7 +152,7 @@ def exact_reference_parameters(cfg: Config, datasets: tuple[ArrayDataset, ArrayD
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     rows = torch.empty(v, numel)
-    mean, result = make_mean(choose_format(v), v, numel, v), torch.empty(numel)
+    mean, result = make_mean(choose_format(v, numel=numel), v, numel, v), torch.empty(numel)
     for step in range(steps):
         batch = next(parts.sampler.batches())
         x, y = train_set.batch(batch.indices)

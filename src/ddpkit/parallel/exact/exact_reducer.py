@@ -103,21 +103,21 @@ class ExactReducer:
         self.find_unused = find_unused_parameters
         self.slice_count: int | None = None
         # the sum's format ("int32", "float64"): fixed with V (the default depends on
-        # it), or by a checkpoint (a run keeps the format it started with)
+        # it and on the element count), or by a checkpoint (a run keeps its format)
         self.sum_format: str | None = None
         self._format_saved = False  # set by a checkpoint: kept whatever V is set after
         self.seed, self._requested_format = agreed_settings(
             transport, self.world_size, self.device, seed)
-        if slices is not None:
-            self.set_slice_count(slices)
-        self.step = 0
-        self._buffers = list(module.named_buffers())
         self._offsets: list[int] = []
         total = 0
         for p in self.params:
             self._offsets.append(total)
             total += p.numel()
-        self.numel = total
+        self.numel = total  # before V: the default format depends on both
+        if slices is not None:
+            self.set_slice_count(slices)
+        self.step = 0
+        self._buffers = list(module.named_buffers())
         # The step's terms for the sum, per segment of the parameters: a large gradient
         # is kept as autograd left it (a flat view, no copy; a list of the local slices'
         # ones), while a run of consecutive small ones is copied into a [V/W, size]
@@ -156,7 +156,7 @@ class ExactReducer:
                               f"they cannot change to {v} in the middle of it")
         self.slice_count = v
         if not self._format_saved:
-            self.sum_format = choose_format(v, self._requested_format)
+            self.sum_format = choose_format(v, self._requested_format, numel=self.numel)
 
     def state_dict(self) -> dict[str, Any]:
         """What a resume needs: the slice count (it must not change), the step of the

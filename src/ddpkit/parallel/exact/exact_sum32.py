@@ -24,6 +24,12 @@ summation of V terms then the division is bounded by ``u |g| + (V - 1) u sum_k |
 That is the largest V this format serves (:data:`INT32_MAX_TERMS`); above it exact
 mode uses the float64 format (:func:`choose_format`).
 
+Small models: the compiled passes cost a fixed time per call, more than the float64
+format's eager operations take on a few thousand elements, so a model with fewer than
+:data:`SMALL_SUM_ELEMENTS` trainable elements sums in float64 by default. The choice
+depends on the element count and V alone, never on the world size: every world size
+picks the same format, and so the same bits.
+
 Non-finite terms: an element with an inf or NaN term has E = 255; its terms are then
 counted instead (+inf, -inf, NaN: 1, 64, 4096 each) and it comes out NaN when a term is
 NaN or infinities of both signs meet, else that infinity: float summation's result,
@@ -58,6 +64,9 @@ FORMATS = ("int32", "float64")
 FORMAT_ENV = "DDPKIT_EXACT_SUM"
 # The largest V with P = 31 - bit_length(V) >= 25 (see the module docstring).
 INT32_MAX_TERMS = 63
+# Fewer trainable elements than this: the float64 format by default (its eager passes
+# beat the compiled calls' fixed cost there; benchmarks/exact_sum_small.py measures it).
+SMALL_SUM_ELEMENTS = 1 << 14
 
 
 def int32_bits(terms: int) -> int:
@@ -67,12 +76,15 @@ def int32_bits(terms: int) -> int:
     return 31 - terms.bit_length()
 
 
-def choose_format(terms: int, requested: str | None = None) -> str:
-    """The sum's format for ``terms`` slices: ``requested`` (else ``$DDPKIT_EXACT_SUM``,
-    else "int32" up to :data:`INT32_MAX_TERMS` slices and "float64" above)."""
+def choose_format(terms: int, requested: str | None = None, *, numel: int) -> str:
+    """The sum's format for ``terms`` slices of ``numel`` elements: ``requested`` (else
+    ``$DDPKIT_EXACT_SUM``), else "int32" for up to :data:`INT32_MAX_TERMS` slices of at
+    least :data:`SMALL_SUM_ELEMENTS` elements and "float64" otherwise. No world size
+    goes in: the same model and V sum the same way, and give the same bits, at any."""
     requested = requested or os.environ.get(FORMAT_ENV, "").strip() or None
     if requested is None:
-        return "int32" if terms <= INT32_MAX_TERMS else "float64"
+        small = numel < SMALL_SUM_ELEMENTS
+        return "int32" if terms <= INT32_MAX_TERMS and not small else "float64"
     if requested not in FORMATS:
         raise ConfigError(f"{FORMAT_ENV}={requested!r}: exact mode's sum format is one of "
                           f"{', '.join(FORMATS)}")
@@ -191,5 +203,5 @@ def make_mean(sum_format: str, rows: int, n: int, terms: int, **options):
     raise ValueError(f"unknown exact sum format {sum_format!r}; one of {', '.join(FORMATS)}")
 
 
-__all__ = ["FORMATS", "FORMAT_ENV", "INT32_MAX_TERMS", "ExactMean32", "choose_format",
-           "int32_bits", "make_mean"]
+__all__ = ["FORMATS", "FORMAT_ENV", "INT32_MAX_TERMS", "SMALL_SUM_ELEMENTS", "ExactMean32",
+           "choose_format", "int32_bits", "make_mean"]

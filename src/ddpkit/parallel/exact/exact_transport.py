@@ -88,7 +88,7 @@ def agreed_settings(transport: ExactTransport, world_size: int, device: torch.de
     torch) and requested sum format (``$DDPKIT_EXACT_SUM``, None: the default), on
     every rank: a rank with another setting would send buffers of another dtype."""
     requested = os.environ.get(FORMAT_ENV, "").strip() or None
-    choose_format(1, requested)  # a misspelt name: one line, before any collective
+    choose_format(1, requested, numel=0)  # a misspelt name: one line, before any collective
     chosen = torch.initial_seed() if seed is None else int(seed)
     agreed = torch.tensor([chosen & ((1 << 63) - 1),
                            0 if requested is None else 1 + FORMATS.index(requested)],
