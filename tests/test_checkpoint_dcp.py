@@ -14,6 +14,7 @@ import importlib.util
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
@@ -197,3 +198,45 @@ def test_a_tied_weight_is_keyed_as_torch_keys_it_and_resumes(tmp_path):
     assert torch.equal(again.tok.weight, model.tok.weight) and again.head.weight is again.tok.weight
     state, state_again = opt.state_dict()["state"], opt_again.state_dict()["state"]
     assert all(torch.equal(state[0][k], state_again[0][k]) for k in ("exp_avg", "exp_avg_sq"))
+
+
+# ------------------------------------------------------------------ ZeRO resumes exactly
+def run_make_job(world, run_dir, shard, save_at, until):
+    """make.py's job at two ranks: resume what ``run_dir`` holds, optionally save at
+    ``save_at``, and stop at ``until``; new model, optimizer and sampler objects."""
+    import ddpkit
+
+    make = _maker()
+    wrapped, opt, sampler, data = make.build(shard)
+    with ddpkit.Run(Path(run_dir), model=wrapped, optimizer=opt, sampler=sampler) as run:
+        resumed_at = run.step
+        if save_at is not None:
+            make.steps(run, wrapped, opt, sampler, data, save_at)
+            run.save("periodic")
+        if run.step < until:
+            make.steps(run, wrapped, opt, sampler, data, until)
+        try:  # ZeRO-1/2 after opt.step(): other ranks' chunks not gathered yet
+            ddpkit.checkpoint.unwrap(wrapped).state_dict()
+            refused = False
+        except ddpkit.errors.UsageError:
+            refused = True
+        final = {k: v.clone() for k, v in wrapped.state_dict().items()}  # gathers
+    return resumed_at, final, refused
+
+
+@pytest.mark.parametrize("shard", ["none", "optimizer", "gradients", "parameters"])
+def test_a_zero_run_resumed_at_the_same_world_size_ends_bit_for_bit(pools, tmp_path, shard):
+    whole = pools(2).run(run_make_job, str(tmp_path / "whole"), shard, 3, 5)
+    pools(2).run(run_make_job, str(tmp_path / "cut"), shard, 3, 3)
+    resumed = pools(2).run(run_make_job, str(tmp_path / "cut"), shard, None, 5)
+    for (_, expected, refused), (resumed_at, final, _) in zip(whole, resumed):
+        assert refused == (shard != "none")  # a read of the module would mix two steps
+        assert resumed_at == 3 and final.keys() == expected.keys()
+        differ = [k for k in expected if not torch.equal(final[k], expected[k])]
+        assert not differ, (shard, differ, [float((final[k] - expected[k]).abs().max())
+                                            for k in differ])
+    if shard == "optimizer":  # make.py's format 1 checkpoint, resumed, ends there too
+        shutil.copytree(FORMAT1 / "zero", tmp_path / "format1")
+        old = pools(2).run(run_make_job, str(tmp_path / "format1"), shard, None, 5)
+        assert old[0][0] == 3
+        assert all(torch.equal(old[0][1][k], v) for k, v in whole[0][1].items())

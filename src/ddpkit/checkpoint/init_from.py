@@ -82,6 +82,9 @@ def init_from(directory: str | os.PathLike, model: Any, optimizer: Any = None) -
     path = dcp_directory(directory)
     source = f"--init-from {path}"
     keys = list(read_metadata(path).state_dict_metadata)
+    gather = getattr(model, "gather_parameters", None)
+    if callable(gather):  # ZeRO: the module's state dict is readable only gathered
+        gather()
     names = {n.removeprefix("module.") for n in unwrap(model).state_dict()}
     model_prefix, matched = _prefix(keys, names)
     if model_prefix is None:

@@ -8,6 +8,13 @@ at one process, ``zero`` at two with ``shard="optimizer"``. Each saves at step 3
 goes on to step 5; ``expected.pt`` holds the parameters after step 5 (a resume of
 ``plain`` from step 3 must reach them bit for bit; ``zero``'s resume is checked against
 its step-3 files). Kept by the tests for good: the checkpoints must go on resuming.
+
+``zero/expected.pt`` is *not* the ZeRO run's step-5 weights: ``run_job`` read
+``unwrap(wrapped).state_dict()`` right after ``opt.step()``, before any gather, so rank 0
+saved its own chunks at step 5 and rank 1's chunks (all of ``0.weight``, ``0.bias[2:]``)
+at step 4. That read now raises UsageError (call ``wrapped.state_dict()`` or
+``gather_parameters()`` first); the tests check ``zero``'s resume against a fresh
+uninterrupted run instead.
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ class ShardedParameters:
                                         else torch.empty(0))]
         self.resident = [True] * len(self.flats)
         self.stale = False  # a synchronized backward ran since the last gather
+        self.mark_current()
 
     def named(self) -> list[tuple[str, nn.Parameter]]:
         """The shard parameters under the names of the module parameters they are cut
@@ -97,6 +98,19 @@ class ShardedParameters:
             for flat, s in zip(self.flats, self.layout):
                 self.transport.all_gather_chunks(flat, s.bounds)
         self.stale = False
+        self.mark_current()
+
+    def mark_current(self) -> None:
+        """The module holds every rank's current values now (built, gathered or loaded)."""
+        self.stale = False
+        self._versions = [flat._version for flat in self.flats]
+
+    def stepped_since_gather(self) -> bool:
+        """Whether this rank's chunks changed since the module last held every rank's
+        values: the optimizer wrote through the shard parameters (views of the flat
+        weights, so they bump the flats' version counters; writes through the module's
+        own parameters do not), and the other ranks' chunks in the module are stale."""
+        return any(flat._version != seen for flat, seen in zip(self.flats, self._versions))
 
     def gather_bucket(self, b: int) -> None:
         """``own_shards``: bucket ``b``'s full parameters back in memory, from every

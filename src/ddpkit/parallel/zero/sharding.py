@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.comm import all_reduce as comm_all_reduce
-from ddpkit.errors import ConfigError
+from ddpkit.errors import ConfigError, UsageError
 from ddpkit.parallel.zero.layer_gathering import LayerGathering
 from ddpkit.parallel.zero.shard_layout import bucket_shards
 from ddpkit.parallel.zero.sharded_params import ShardedParameters
@@ -78,8 +78,20 @@ class Sharding:
             self.layers = LayerGathering(module, reducer.params, reducer.bucket_of, self.params)
             reducer.after_bucket = self.layers.after_reduction
             self.layers.release_all()
+        else:
+            module.register_state_dict_pre_hook(self._refuse_stale)
         self._reduced = False  # module .grad hold a finished reduction (not to accumulate)
         reducer.after_backward.append(self._after_backward)
+
+    def _refuse_stale(self, module: torch.nn.Module, *args) -> None:
+        # After opt.step() the module holds other ranks' chunks of the step before: its
+        # state dict would silently mix two steps. Gathering here would be a collective
+        # that a rank-0-only read hangs in, so the caller must gather on every rank.
+        if self.params.stepped_since_gather():
+            raise UsageError(
+                f"DataParallel(shard={self.mode!r}) updates only this rank's chunk of the "
+                "weights in opt.step(): call model.gather_parameters() on every rank before "
+                "reading model.module's state (model.state_dict() does it)")
 
     @property
     def scatters(self) -> bool:

@@ -75,7 +75,7 @@ class ShardingMethods:
             self.gather_parameters()  # the shards take the loaded values (LayerGathering)
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if self._sharding is not None:
-            self._sharding.params.stale = False  # every rank loaded the same full values
+            self._sharding.params.mark_current()  # every rank loaded the same full values
         return result
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
