@@ -113,7 +113,7 @@ def test_accelerate_script_trains_as_under_torch_ddp(launches):
         assert routed["all_reduce"] == len(ours.ranks[rank]["losses"]) and routed["barrier"]
         assert ours.ranks[rank]["losses"] == theirs.ranks[rank]["losses"]
     saved = torch.load(ours.out / "model.pt")
-    plain = _program("accelerate_program").make_model()
+    plain = _program("framework_record").mlp()
     plain.load_state_dict(saved)  # accelerator.unwrap_model(model).state_dict()
     assert_same_tensors(saved, torch.load(theirs.out / "model.pt"), "Accelerate")
 

@@ -18,11 +18,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
-def make_model() -> nn.Module:
-    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                         nn.Linear(256, 4))
-
-
 class FailingForward(nn.Module):
     """The model, whose forward raises on one rank at one step (a failure inside the
     framework's wrapped model)."""
@@ -49,7 +44,7 @@ def main() -> None:
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     set_seed(0)
-    model = make_model()
+    model = framework_record.mlp()
     if args.fail_rank is not None:
         model = FailingForward(model, args.fail_rank, step=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -14,6 +14,13 @@ import torch
 import torch.distributed as dist
 
 
+def mlp() -> torch.nn.Module:
+    """The MLP the Accelerate and Lightning programs train (32 inputs, 4 classes)."""
+    nn = torch.nn
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                         nn.Linear(256, 4))
+
+
 def engine_of(model) -> dict:
     from ddpkit.parallel.ddp import DataParallel
 

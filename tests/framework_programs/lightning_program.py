@@ -14,19 +14,13 @@ import framework_record
 import lightning as L
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-
-def make_net() -> nn.Module:
-    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                         nn.Linear(256, 4))
 
 
 class Classifier(L.LightningModule):
     def __init__(self, fail_rank: int | None = None):
         super().__init__()
-        self.net = make_net()
+        self.net = framework_record.mlp()
         self.fail_rank = fail_rank
         self.clock = framework_record.StepClock()
         self.engine: dict = {}

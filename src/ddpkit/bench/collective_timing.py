@@ -10,7 +10,8 @@ reduce_scatter input), as in nccl-tests. GB/s means 1e9 bytes per second.
 Method: every rank runs the same sweep; for each size, the algorithms take turns
 (warm-up rounds, then ``repeats`` timed rounds, alternating algorithms inside each
 round) so background noise hits all of them alike. A timed round is a barrier, then
-``iters`` back-to-back calls (more for tiny sizes, so one round lasts >= ~20 ms), and
+``iters`` back-to-back calls (more for tiny sizes, so one round lasts at least
+``_ROUND_S``), and
 its time is the slowest rank's. The table reports the median round.
 """
 
