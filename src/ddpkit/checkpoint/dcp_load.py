@@ -166,10 +166,10 @@ def _along(field: str, md: Any, shape: tuple[int, ...]) -> bool:
 def _pieces(model: Any) -> dict[str, tuple[int, int, tuple[int, ...], list]]:
     """Collective: this rank's piece of each parameter it holds one of, (start, stop,
     shape, every rank's (rank, start, stop) of that parameter)."""
-    names = [n.removeprefix("module.") for n in model.reducer.names]
-    shapes = [tuple(p.shape) for p in model.reducer.params]
-    mine = {names[piece.param]: (piece.start, piece.stop, shapes[piece.param])
-            for _, piece in model._sharding.params.pieces}
+    shapes = {n.removeprefix("module."): tuple(p.shape)
+              for n, p in zip(model.reducer.names, model.reducer.params)}
+    mine = {name: (start, stop, shapes[name])
+            for name, (start, stop) in model.shard_spans().items()}
     everyone: list[Any] = [mine]
     if _initialized():
         everyone = [None] * dist.get_world_size()

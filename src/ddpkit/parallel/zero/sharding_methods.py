@@ -37,6 +37,17 @@ class ShardingMethods:
         dot = f"{prefix}." if prefix else ""
         return iter([(f"{dot}module.{name}", p) for name, p in self._sharding.params.named()])
 
+    def shard_spans(self) -> dict[str, tuple[int, int]]:
+        """This rank's piece of each module parameter it holds one of under sharding:
+        ``(start, stop)`` in the parameter's flattened elements, by the parameter's name
+        in the wrapped module (no ``module.`` prefix). Empty without sharding (every rank
+        holds everything) or when this rank owns no element."""
+        if self._sharding is None:
+            return {}
+        params = self._sharding.params
+        return {params.names[piece.param].removeprefix("module."): (piece.start, piece.stop)
+                for _, piece in params.pieces}
+
     def gather_parameters(self) -> None:
         """Give the wrapped module the full updated parameters now (collective; with
         sharding the next forward and ``state_dict()`` do it by themselves; nothing to do
