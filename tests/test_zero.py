@@ -83,6 +83,8 @@ def run_modes(world, comm, accumulate, clip):
             "param_numel": sum(p.numel() for p in ddp.parameters()),
             "module_numel": sum(p.numel() for p in ddp.module.parameters()),
             "names": [n for n, _ in ddp.named_parameters()],
+            "spans": ddp.shard_spans(),
+            "sizes": {n: p.numel() for n, p in ddp.module.named_parameters()},
             "norms": norms,
             "transport": ddp.comm,
         }
@@ -109,6 +111,13 @@ def test_sharded_training_is_bit_identical_to_unsharded(pools, world_size, comm)
         assert all(torch.equal(a, b) for a, b in zip(r["none"]["state"],
                                                      results[0]["none"]["state"]))
     assert sum(r["gradients"]["param_numel"] for r in results) == results[0]["none"]["param_numel"]
+    # shard_spans: the ranks' pieces of each parameter tile it, without gap or overlap
+    assert all(r["none"]["spans"] == {} for r in results)
+    for mode in ("optimizer", "gradients", "parameters"):
+        for name, size in results[0][mode]["sizes"].items():
+            cut = sorted(r[mode]["spans"][name] for r in results if name in r[mode]["spans"])
+            assert cut[0][0] == 0 and cut[-1][1] == size, (mode, name, cut)
+            assert all(a[1] == b[0] for a, b in zip(cut, cut[1:])), (mode, name, cut)
 
 
 def test_clip_grad_norm_over_shards_matches_torch(pools):
