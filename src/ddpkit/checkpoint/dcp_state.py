@@ -134,7 +134,8 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
 
 
 def _sharded_optimizer_state(model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    common, mine = model.optimizer_shard_state(optimizer)
+    # no copies: the checkpoint is written before the optimizer's next step
+    common, mine = model.optimizer_shard_state(optimizer, copy=False)
     names = [n.removeprefix("module.") for n in model.reducer.names]
     shapes = {n: tuple(p.shape) for n, p in zip(names, model.reducer.params)}
     order = {n: i for i, n in enumerate(names)}.__getitem__  # registration order

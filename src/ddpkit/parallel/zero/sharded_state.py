@@ -49,12 +49,13 @@ def _shard_index(optimizer: torch.optim.Optimizer, shards: list[torch.nn.Paramet
     return [position[id(p)] for p in order]
 
 
-def split_state(optimizer: torch.optim.Optimizer, params, names: list[str]
+def split_state(optimizer: torch.optim.Optimizer, params, names: list[str], copy: bool = True
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(what every rank shares, this rank's part) of ``optimizer``'s state.
 
     ``params`` is the engine's :class:`~ddpkit.parallel.zero.sharded_params.ShardedParameters`;
-    ``names`` the reducer's parameter names."""
+    ``names`` the reducer's parameter names. ``copy=False`` gives the optimizer's own
+    tensors (they change at its next step): for a caller that writes them out at once."""
     which = _shard_index(optimizer, params.shards)
     saved = optimizer.state_dict()
     pieces: dict[str, list] = {}
@@ -70,7 +71,8 @@ def split_state(optimizer: torch.optim.Optimizer, params, names: list[str]
             if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == length \
                     and key != "step":
                 along[key] = str(value.dtype).removeprefix("torch.")
-                pieces.setdefault(name, []).append([piece.start, piece.stop, key, value.clone()])
+                pieces.setdefault(name, []).append([piece.start, piece.stop, key,
+                                                     value.clone() if copy else value])
             else:
                 scalars.setdefault(name, {})[key] = value
     groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]

@@ -96,15 +96,18 @@ class ShardingMethods:
             return torch.nn.utils.clip_grad_norm_(self.reducer.params, max_norm, norm_type)
         return self._sharding.clip_grad_norm_(max_norm, norm_type)
 
-    def optimizer_shard_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    def optimizer_shard_state(self, optimizer: torch.optim.Optimizer,
+                              copy: bool = True) -> tuple[dict, dict]:
         """With sharding: (what every rank shares, this rank's part) of the optimizer's
         state, cut by parameter so that any world size can load it
         (:mod:`ddpkit.parallel.zero.sharded_state`; ddpkit's checkpoints store the parts as
-        one file per rank)."""
+        one file per rank). ``copy=False`` hands out the optimizer's own tensors instead
+        of copies, for a caller that writes them before the next step (checkpoints)."""
         if self._sharding is None:
             raise ConfigError("optimizer_shard_state needs DataParallel(shard='optimizer' or "
                               "'gradients'); without sharding use optimizer.state_dict()")
-        return sharded_state.split_state(optimizer, self._sharding.params, self.reducer.names)
+        return sharded_state.split_state(optimizer, self._sharding.params, self.reducer.names,
+                                         copy)
 
     def load_optimizer_shards(self, optimizer: torch.optim.Optimizer, common: Any,
                               parts: Any) -> None:
