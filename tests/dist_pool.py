@@ -4,7 +4,9 @@ Starting a process that imports torch costs seconds on this machine, so each wor
 gets one pool of workers per test session. ``pool.run(fn, *args)`` runs
 ``fn(world, *args)`` on every rank (``fn`` must be a module-level function) and returns
 the results by rank. A task that fails or times out may leave other ranks stuck in a
-collective, so the pool is then torn down and rebuilt on next use.
+collective, so the pool is then torn down and rebuilt on next use; a timeout first has
+every rank write the Python stacks of all its threads (faulthandler), and the error
+carries them, so a hang names the line each rank waits on.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -25,13 +28,22 @@ class RankFailure(AssertionError):
         self.text = text
 
 
+def _stacks_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.stacks-{rank}"
+
+
 def _worker(rank, world_size, store_path, tasks, results):
+    import faulthandler
+
     import torch
 
     from ddpkit import runtime
     from ddpkit.spawn import worker_env
 
     os.environ.update(worker_env(rank, world_size))
+    # SIGUSR1 (sent by DistPool.run on a timeout) writes every thread's stack here
+    stacks = open(_stacks_path(store_path, rank), "w")  # noqa: SIM115 (open for life)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     torch.set_num_threads(1)
     world = runtime.init("gloo", f"file://{store_path}", timeout=60)
     try:
@@ -64,7 +76,7 @@ class DistPool:
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self._tmp = tempfile.mkdtemp(prefix=f"ddpkit-pool{self.world_size}-")
-        store = os.path.join(self._tmp, "store")
+        store = self._store = os.path.join(self._tmp, "store")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [
@@ -99,13 +111,31 @@ class DistPool:
                 continue
             (values if ok else failures)[rank] = payload
         if failures or len(values) < self.world_size:
+            stacks = "" if failures else self._stacks(sorted(set(range(self.world_size))
+                                                             - set(values)))
             self.close()
             if failures:
                 rank = min(failures)
                 raise RankFailure(rank, failures[rank])
             missing = sorted(set(range(self.world_size)) - set(values))
-            raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} within {timeout} s")
+            raise TimeoutError(f"ranks {missing} did not finish {fn.__name__} within "
+                               f"{timeout} s; their stacks:\n{stacks}")
         return [values[r] for r in range(self.world_size)]
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """Every thread's Python stack in each of ``ranks`` (the ranks that are late)."""
+        for rank in ranks:
+            if self._procs[rank].is_alive():
+                os.kill(self._procs[rank].pid, signal.SIGUSR1)
+        time.sleep(1.0)  # faulthandler writes from the signal handler, at once
+        texts = []
+        for rank in ranks:
+            try:
+                with open(_stacks_path(self._store, rank)) as f:
+                    texts.append(f"--- rank {rank} (pid {self._procs[rank].pid})\n{f.read()}")
+            except OSError as exc:
+                texts.append(f"--- rank {rank}: no stacks ({exc})")
+        return "\n".join(texts)
 
     def ask_to_stop(self) -> None:
         """Tell every worker to leave after its current task (close() then waits)."""
