@@ -89,6 +89,7 @@ LAYERS = {
     "test_torch_collective_suite.py": MULTIPROCESS,
     "test_torch_swap.py": MULTIPROCESS,
     "test_torch_route_fast.py": MULTIPROCESS,
+    "test_dist_pool.py": MULTIPROCESS,
     "test_comm_bench.py": E2E,
     "test_host_malloc.py": E2E,
     "test_ddp_examples.py": E2E,
