@@ -89,6 +89,7 @@ LAYERS = {
     "test_torch_collective_suite.py": MULTIPROCESS,
     "test_torch_swap.py": MULTIPROCESS,
     "test_torch_route_fast.py": MULTIPROCESS,
+    "test_dist_pool.py": MULTIPROCESS,
     "test_comm_bench.py": E2E,
     "test_host_malloc.py": E2E,
     "test_ddp_examples.py": E2E,
@@ -113,6 +114,16 @@ LAYERS = {
     "test_train_shard.py": E2E,
     "test_frameworks.py": E2E,
 }
+# The files whose tests take longest in all (--durations, benchmarks/RESULTS.md "Tests"),
+# longest first: they are collected first, so that the two xdist workers (whole files
+# each, in collection order: pyproject's addopts) start them first and share out the
+# short files at the end, instead of one worker taking a long file while the other idles.
+LONGEST_FIRST = (
+    "test_docs.py", "test_frameworks.py", "test_elastic.py", "test_gpu_check.py",
+    "test_own_loop.py", "test_train_fault.py", "test_slurm_launcher.py",
+    "test_launch_torchrun.py", "test_migrating.py", "test_slurm.py", "test_exact_cli.py",
+    "test_console.py", "test_train_shard.py", "test_launch.py", "test_comm.py",
+)
 # file -> test functions (every parametrization) or single parametrizations ("name[id]").
 # Four ranks on two cores: every test on the 4-rank pool is slow, and so is starting it.
 SLOW = {
@@ -260,6 +271,9 @@ def skip_unless_required(reason: str) -> NoReturn:
 
 
 def pytest_collection_modifyitems(config, items):
+    first = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    # a stable sort: the other files, and the tests inside each file, keep their order
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
     for item in items:
         name = item.path.name
         layer = LAYERS.get(name)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import LAYERS, SLOW
+from conftest import LAYERS, LONGEST_FIRST, SLOW
 
 TESTS = Path(__file__).parent
 
@@ -53,3 +53,4 @@ def test_every_file_in_layers_exists_and_every_test_file_has_a_layer():
     files = {p.name for p in TESTS.glob("test_*.py")}
     assert sorted(set(LAYERS) - files) == [], "LAYERS names files that do not exist"
     assert sorted(files - set(LAYERS)) == [], "test files without a layer in LAYERS"
+    assert sorted(set(LONGEST_FIRST) - files) == [], "LONGEST_FIRST names missing files"

@@ -83,3 +83,25 @@ def test_census_every_cpu_collective_test_is_in_the_suite(pools, tmp_path):
                                     str(tmp_path), timeout=300)
     # gloo runs the CENSUS_SKIP tests on CPU (see EXCLUDED for why they are not run)
     torch_suite.check_census(results, COLLECTIVE_TESTS, EXCLUDED, not_run=CENSUS_SKIP)
+
+
+def run_and_read_debug_level(world, name: str, temp_dir: str) -> tuple:
+    """torch's test ``name`` run as the suite runs it, then this worker's debug level."""
+    import os
+
+    import torch.distributed as dist
+
+    outcome = torch_suite.run(world, name, "torch", temp_dir)[0]
+    return outcome, os.environ.get("TORCH_DISTRIBUTED_DEBUG"), str(dist.get_debug_level())
+
+
+def test_a_torch_test_that_sets_the_debug_level_leaves_the_worker_as_it_was(pools, tmp_path):
+    """torch's test_broadcast_object_list sets TORCH_DISTRIBUTED_DEBUG=DETAIL and skips,
+    leaving it set; the suite puts the level back, or later groups in this shared worker
+    come wrapped for debugging and torch's own DDP on them crashes the process (a
+    3-rank pool of test_compat_ddp.py died so under two xdist workers)."""
+    results = pools(WORLD_SIZE).run(run_and_read_debug_level, "test_broadcast_object_list",
+                                     str(tmp_path))
+    for outcome, variable, level in results:
+        assert outcome == "skip", outcome  # ran (its decorator set the level), then skipped
+        assert variable is None and level.endswith("OFF"), (variable, level)

@@ -256,6 +256,32 @@ def run(world, name: str, engine: str, temp_dir: str) -> tuple[str, str, int]:
     return outcome, detail, _uses[0]
 
 
+def _debug_level_kept() -> list:
+    """Undo steps that put back torch.distributed's debug level and its variable.
+
+    torch's ``with_dist_debug_levels`` decorator sets TORCH_DISTRIBUTED_DEBUG and the
+    level in C++ for its test, and leaves them set when the variable was unset before or
+    the test raised (a skip does). Left at DETAIL, every later ``new_group`` in this
+    worker wraps its gloo backend in torch's ProcessGroupWrapper, and torch's own
+    DistributedDataParallel on such a group crashes the process (its logger reads the
+    wrapper as a ProcessGroupGloo): the pool's later tests would die of it."""
+    import torch.distributed as dist
+
+    level, variable = dist.get_debug_level(), os.environ.get(_DEBUG_VARIABLE)
+
+    def restore():
+        if variable is None:
+            os.environ.pop(_DEBUG_VARIABLE, None)
+        else:
+            os.environ[_DEBUG_VARIABLE] = variable
+        dist.set_debug_level(level)
+
+    return [restore]
+
+
+_DEBUG_VARIABLE = "TORCH_DISTRIBUTED_DEBUG"
+
+
 def _run(world, name: str, engine: str, temp_dir: str) -> tuple[str, str]:
     from torch.testing._internal import common_utils
     from torch.testing._internal.common_distributed import TEST_SKIPS
@@ -267,7 +293,7 @@ def _run(world, name: str, engine: str, temp_dir: str) -> tuple[str, str]:
     case = _case_class(dt)(name)
     case.rank = world.rank
     case.file_name = os.path.join(temp_dir, "init_file")
-    undo = _substitute(dt, engine)
+    undo = _substitute(dt, engine) + _debug_level_kept()
     _uses[0] = 0
     started = time.perf_counter()
     try:
