@@ -67,11 +67,18 @@ _inside = _Inside()
 _gloo_groups = lifetime.PerGroup()  # group -> whether ddpkit answers its collectives
 _counts = dict.fromkeys(NAMES, 0)  # name -> calls answered by ddpkit in this process
 # (id(group), dtype, id(op)) -> (the group, weakly; the op object, which keeps its id
-# unique; ddpkit's remembered call; the algorithm table's version it was found under).
-# torch's default group object is read from distributed_c10d._world (what
+# unique; the dtype; ddpkit's remembered call; the algorithm table's version it was
+# found under). torch's default group object is read from distributed_c10d._world (what
 # dist.group.WORLD returns, minus a class property per call).
 _direct: dict = {}
+_NO_ROUTE = (type(None), object(), None, None, -1)  # matches no call (no op is this object)
+_last = [_NO_ROUTE]  # the route found last, compared by identity before the map
 _WORLD = distributed_c10d._world
+# bound once: each saves an attribute lookup on every call of the remembered path
+_table_version = registry.version
+_compiling = torch.compiler.is_compiling
+_getframe = sys._getframe
+_plain_caller: list = [None]  # the globals of the last caller found outside ddpkit
 
 
 def routed() -> bool:
@@ -191,15 +198,15 @@ def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         # the call's group, op and dtype were judged before: only the tensor's own
         # properties and the caller are checked again (as _plain_cpu and _ours do)
         pg = _WORLD.default_pg if group is None else group
-        found = _direct.get((id(pg), tensor.dtype, id(op)))
-        if (found is not None and found[0]() is pg and found[1] is op
-                and found[3] == registry.version() and tensor.is_cpu
+        found = _last[0]
+        if op is not found[1] or tensor.dtype is not found[2] or found[0]() is not pg:
+            found = _direct_for(pg, tensor.dtype, op)
+        if (found is not None and found[4] == _table_version() and tensor.is_cpu
                 and tensor.layout is _STRIDED and not tensor.requires_grad
-                and tensor.is_contiguous() and not _inside.active
-                and not torch.compiler.is_compiling()
-                and not _ddpkit_module(sys._getframe(1).f_globals.get("__name__", ""))):
+                and tensor.is_contiguous() and not _inside.active and not _compiling()
+                and (_getframe(1).f_globals is _plain_caller[0] or _plain(_getframe(1)))):
             _counts["all_reduce"] += 1
-            found[2](tensor)
+            found[3](tensor)
             return None
     if _plain_cpu(tensor) and _ours(async_op, group):
         name = _reduction(op, tensor.dtype, "all_reduce")
@@ -208,6 +215,25 @@ def _all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
             _remember_direct(tensor, op, group, name)
             return None
     return _originals["all_reduce"](tensor, op, group, async_op)
+
+
+def _direct_for(pg, dtype: torch.dtype, op) -> tuple | None:
+    """The remembered route of (group, dtype, op), made the one checked first; or None."""
+    found = _direct.get((id(pg), dtype, id(op)))
+    if found is None or found[0]() is not pg or found[1] is not op:
+        return None
+    _last[0] = found
+    return found
+
+
+def _plain(frame) -> bool:
+    """Whether ``frame`` (a dispatcher's caller) runs code outside ddpkit; the answer
+    for the last such module is kept by its globals' identity (a dict held, so no other
+    module's can take its place)."""
+    if _ddpkit_module(frame.f_globals.get("__name__", "")):
+        return False
+    _plain_caller[0] = frame.f_globals
+    return True
 
 
 def _remember_direct(tensor, op, group, name: str) -> None:
@@ -222,12 +248,14 @@ def _remember_direct(tensor, op, group, name: str) -> None:
         return
     if len(_direct) >= _MAX_DIRECT:  # groups come and go: do not grow forever
         _direct.clear()
-    _direct[id(pg), tensor.dtype, id(op)] = (weakref.ref(pg), op, route, registry.version())
+    found = (weakref.ref(pg), op, tensor.dtype, route, registry.version())
+    _direct[id(pg), tensor.dtype, id(op)] = _last[0] = found
 
 
 def forget() -> None:
     """Drop every remembered all_reduce route (the next call of each shape judges anew)."""
     _direct.clear()
+    _last[0] = _NO_ROUTE
 
 
 def _broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
