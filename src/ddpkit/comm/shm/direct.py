@@ -55,7 +55,7 @@ class DirectAllReduce:
         self.published = [control.meta_index(comm.me, _META, p) for p in (0, 1)]
         self.peers_meta = [[control.meta_index(r, _META, p) for r in control.peers]
                            for p in (0, 1)]
-        self.rest = list(range(2, comm.local_size))  # areas reduced after the first two
+        self.rest = comm.local_size > 2  # areas to reduce after the first two
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         comm = self.comm
@@ -63,12 +63,12 @@ class DirectAllReduce:
         if numel > self.limit or comm._closed or tensor.is_neg():
             # (a negative view's bytes are not its values: the generic path copies values)
             return comm.all_reduce(tensor, self.op, signature=self.word)
-        parity = comm._calls & 1
-        comm._calls += 1
-        shape = tensor.shape
-        found = self.areas[parity].get(shape)
+        calls = comm._calls
+        comm._calls = calls + 1
+        parity = calls & 1
+        found = self.areas[parity].get(tensor.shape)
         if found is None:
-            found = self._areas(parity, shape, tensor.dtype)
+            found = self._areas(parity, tensor.shape, tensor.dtype)
         areas, mine = found
         if numel:
             # the bytes of a contiguous CPU tensor into this rank's area: what copy_ does,
@@ -87,8 +87,9 @@ class DirectAllReduce:
                 comm._disagreed((numel, word, -1, -1), parity)
         reduce = self.reduce
         reduce(areas[0], areas[1], out=tensor)
-        for r in self.rest:
-            reduce(tensor, areas[r], out=tensor)
+        if self.rest:
+            for area in areas[2:]:
+                reduce(tensor, area, out=tensor)
         if self.divisor is not None:
             tensor.div_(self.divisor)
         return tensor
