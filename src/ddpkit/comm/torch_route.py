@@ -1,20 +1,24 @@
 """torch.distributed's own collectives, answered by ddpkit's where ddpkit's are proven.
 
 :func:`route` puts a dispatcher behind ``torch.distributed.all_reduce``, ``broadcast``,
-``reduce`` and ``barrier`` (and the same names in ``torch.distributed.distributed_c10d``,
-which torch's object collectives such as ``broadcast_object_list`` call). These four are
-the collectives whose torch tests pass with ddpkit's functions behind torch's names
-(tests/test_torch_collective_suite.py). A call goes to ddpkit's collective when all of
-this holds, and to torch's own function, untouched, otherwise:
+``reduce``, ``barrier`` and ``all_gather`` (and the same names in
+``torch.distributed.distributed_c10d``, which torch's object collectives such as
+``broadcast_object_list`` and ``all_gather_object`` call). These five are the
+collectives whose torch tests pass with ddpkit's functions behind torch's names
+(tests/test_torch_collective_suite.py; ``all_gather``'s list form is gathered with
+``ddpkit.comm.all_gather`` into one tensor, then copied into the list). A call goes to
+ddpkit's collective when all of this holds, and to torch's own function, untouched,
+otherwise:
 
 * it is synchronous (``async_op=False``) and, for ``barrier``, has no ``timeout``;
 * its tensor is a plain dense CPU tensor (or a parameter) of a dtype ddpkit reduces or
-  moves, and for a reduction the op is sum, product, min or max;
+  moves, and for a reduction the op is sum, product, min or max; ``all_gather``'s list
+  holds one plain CPU tensor per rank of the group, each of the input's dtype and shape;
 * its group (the default one when None) is a gloo group;
 * it is not a call ddpkit itself makes (ddpkit's modules call torch's collectives on
-  purpose: the ``backend`` algorithm, torch-engine comparisons), nor one made while a
-  routed call runs, nor one traced by ``torch.compile`` (which rewrites torch's own
-  functions, not these).
+  purpose: the ``backend`` algorithm, torch-engine comparisons, the object collectives
+  that set up its communicators), nor one made while a routed call runs, nor one traced
+  by ``torch.compile`` (which rewrites torch's own functions, not these).
 
 Every condition is a property of the call's arguments, which are the same on every rank
 of a correct program, so all ranks of a group take the same road. ``restore`` puts
@@ -31,6 +35,7 @@ the caller and the thread are still checked on every call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
@@ -45,7 +50,7 @@ from torch.distributed import distributed_c10d
 from ddpkit import lifetime
 from ddpkit.comm import collectives, fast_path, ops, registry
 
-NAMES = ("all_reduce", "broadcast", "reduce", "barrier")
+NAMES = ("all_reduce", "broadcast", "reduce", "barrier", "all_gather")
 # The reductions torch's own tests run on ddpkit's functions (sum, product, min, max).
 _ROUTED_OPS = {op: name for op, name in ((dist.ReduceOp.SUM, "sum"),
                                         (dist.ReduceOp.PRODUCT, "product"),
@@ -118,7 +123,19 @@ def restore() -> None:
 
 def _from_ddpkit(depth: int = 2) -> bool:
     """Whether the function calling the dispatcher belongs to ddpkit."""
-    return _ddpkit_module(sys._getframe(depth).f_globals.get("__name__", ""))
+    return _ddpkit_module(_caller_module(sys._getframe(depth)))
+
+
+def _caller_module(frame) -> str:
+    """The module of ``frame``, or, where that is torch.distributed's own (an object
+    collective such as all_gather_object calls all_gather), of the first frame above it
+    outside torch.distributed: ddpkit's own object collectives (which it makes while
+    setting up its communicators) stay torch's, a program's go to ddpkit."""
+    name = frame.f_globals.get("__name__", "")
+    while name.startswith("torch.distributed") and frame.f_back is not None:
+        frame = frame.f_back
+        name = frame.f_globals.get("__name__", "")
+    return name
 
 
 def _ddpkit_module(name: str) -> bool:
@@ -229,10 +246,12 @@ def _direct_for(pg, dtype: torch.dtype, op) -> tuple | None:
 def _plain(frame) -> bool:
     """Whether ``frame`` (a dispatcher's caller) runs code outside ddpkit; the answer
     for the last such module is kept by its globals' identity (a dict held, so no other
-    module's can take its place)."""
-    if _ddpkit_module(frame.f_globals.get("__name__", "")):
+    module's can take its place), unless the answer came from a frame above it."""
+    name = _caller_module(frame)
+    if _ddpkit_module(name):
         return False
-    _plain_caller[0] = frame.f_globals
+    if frame.f_globals.get("__name__", "") == name:
+        _plain_caller[0] = frame.f_globals
     return True
 
 
@@ -275,6 +294,36 @@ def _reduce(tensor, dst=None, op=dist.ReduceOp.SUM, group=None, async_op=False,
     return _originals["reduce"](tensor, dst, op, group, async_op, group_dst)
 
 
+def _all_gather(tensor_list, tensor, group=None, async_op=False):
+    if (_plain_cpu(tensor) and _movable(tensor.dtype) and _ours(async_op, group)
+            and _gather_list(tensor_list, tensor, group)):
+        return _call("all_gather", _gather_into_list, tensor, tensor_list,
+                     _default_to_none(group))
+    return _originals["all_gather"](tensor_list, tensor, group, async_op)
+
+
+def _gather_list(tensor_list, tensor, group) -> bool:
+    """A list of one plain CPU tensor per group rank, each of ``tensor``'s dtype and
+    shape: what gloo gathers into (anything else goes to torch, which says what is wrong)."""
+    if type(tensor_list) is not list or len(tensor_list) != dist.get_world_size(group):
+        return False
+    return all(_plain_cpu(out) and out.dtype == tensor.dtype and out.shape == tensor.shape
+               for out in tensor_list)
+
+
+def _gather_into_list(tensor, tensor_list, group) -> None:
+    """torch's list form of all_gather on ddpkit.comm's (one output tensor): gathered
+    into one block, then each rank's part copied into its tensor of the list."""
+    numel = tensor.numel()
+    gathered = torch.empty(len(tensor_list) * numel, dtype=tensor.dtype)
+    # a conjugate or negative view's bytes are not its values: give ddpkit the values
+    collectives.all_gather(gathered, tensor.resolve_conj().resolve_neg(), group)
+    grad = any(out.requires_grad for out in tensor_list)
+    with torch.no_grad() if grad else contextlib.nullcontext():
+        for i, out in enumerate(tensor_list):
+            out.copy_(gathered[i * numel:(i + 1) * numel].view(out.shape))
+
+
 def _barrier(group=None, async_op=False, device_ids=None, timeout=None):
     if timeout is None and _ours(async_op, group):
         return _call("barrier", collectives.barrier, None, _default_to_none(group))
@@ -282,4 +331,4 @@ def _barrier(group=None, async_op=False, device_ids=None, timeout=None):
 
 
 _DISPATCHERS = {"all_reduce": _all_reduce, "broadcast": _broadcast, "reduce": _reduce,
-                "barrier": _barrier}
+                "barrier": _barrier, "all_gather": _all_gather}
