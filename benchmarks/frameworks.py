@@ -98,9 +98,9 @@ def main() -> None:
               f"{row['all_reduce_1k_us']['ddpkit']:.1f} | {row['all_reduce_speedup']:.0f}x |")
     for row in rows:
         if row["all_gather_1_us"]:
-            print(f"{row['program']}: torch.distributed.all_gather of one int64 (gloo under "
-                  f"both): {row['all_gather_1_us']['torch']:.0f} us under torchrun, "
-                  f"{row['all_gather_1_us']['ddpkit']:.0f} us under ddpkit launch")
+            print(f"{row['program']}: torch.distributed.all_gather of one int64: "
+                  f"{row['all_gather_1_us']['torch']:.0f} us under torchrun (gloo), "
+                  f"{row['all_gather_1_us']['ddpkit']:.1f} us under ddpkit launch (routed)")
     os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
     with open(os.path.join(ROOT, "benchmarks", "results", "frameworks.json"), "w") as fh:
         json.dump({"repeats": args.repeats, "rows": rows}, fh, indent=1)

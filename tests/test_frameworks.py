@@ -128,6 +128,9 @@ def test_transformers_trainer_trains_as_under_torch_ddp(launches):
         assert ours.ranks[rank]["unwrapped_is_model"], "accelerator.unwrap_model"
         assert ours.ranks[rank]["losses"] == theirs.ranks[rank]["losses"]
         assert ours.ranks[rank]["train_loss"] == theirs.ranks[rank]["train_loss"]
+        # the Trainer gathers the batch's token count every step: ddpkit answers it
+        assert ours.ranks[rank]["routed"].get("all_gather", 0) >= len(
+            ours.ranks[rank]["losses"]), ours.ranks[rank]["routed"]
     plain = BertForSequenceClassification.from_pretrained(ours.out / "model")
     assert_same_tensors(plain.state_dict(), BertForSequenceClassification.from_pretrained(
         theirs.out / "model").state_dict(), "Trainer")

@@ -19,7 +19,8 @@ import torch
 import torch_suite
 
 WORLD_SIZE = 3
-PREFIXES = ("test_all_reduce", "test_broadcast", "test_reduce", "test_barrier")
+PREFIXES = ("test_all_reduce", "test_broadcast", "test_reduce", "test_barrier",
+            "test_all_gather")
 _OPS = ("sum", "max", "min", "product")
 COLLECTIVE_TESTS = [
     *(f"test_all_reduce_{op}" for op in _OPS),
@@ -48,6 +49,16 @@ EXCLUDED = {
         "destroys and re-creates the default process group, which the workers share with "
         "every other test"),
 }
+# torch's all_gather tests: torch's list form is routed to ddpkit.comm.all_gather (one
+# output tensor), so these run only with torch's names routed (ddpkit.comm's own
+# all_gather takes torch's all_gather_into_tensor arguments, which no CPU test of torch's
+# calls). The object tests gather through torch's all_gather.
+GATHER_TESTS = ["test_all_gather", "test_all_gather_complex", "test_all_gather_full_group",
+                "test_all_gather_object_default_pg", "test_all_gather_object_subgroup"]
+_GATHER_COALESCED = ("dist.all_gather_coalesced (a list of tensors in one call) is not part "
+                     "of ddpkit.comm")
+EXCLUDED.update({f"test_all_gather_coalesced_{v}": _GATHER_COALESCED
+                 for v in ("complex", "full_group", "simple", "with_empty")})
 # Tests in which only some ranks call a collective (the others wait elsewhere).
 ONLY_RANK_0 = {"test_barrier_timeout_full_group": (0,)}
 # Not run in the census either (with torch's functions): they break the shared workers.
@@ -66,7 +77,8 @@ NOT_ROUTED = {"test_all_reduce_sum_async": "async_op=True calls stay torch's",
                   "an op ddpkit refuses (max on complex) goes to torch, which raises")}
 
 
-@pytest.mark.parametrize("name", [n for n in COLLECTIVE_TESTS if n not in NOT_ROUTED])
+@pytest.mark.parametrize("name", [n for n in COLLECTIVE_TESTS + GATHER_TESTS
+                                  if n not in NOT_ROUTED])
 def test_torch_collective_test_passes_with_torchs_names_routed_to_ddpkit(pools, tmp_path,
                                                                           name):
     """What ``ddpkit launch`` gives a program: torch.distributed's own functions, which
@@ -82,7 +94,8 @@ def test_census_every_cpu_collective_test_is_in_the_suite(pools, tmp_path):
     results = pools(WORLD_SIZE).run(torch_suite.census, PREFIXES, None, CENSUS_SKIP,
                                     str(tmp_path), timeout=300)
     # gloo runs the CENSUS_SKIP tests on CPU (see EXCLUDED for why they are not run)
-    torch_suite.check_census(results, COLLECTIVE_TESTS, EXCLUDED, not_run=CENSUS_SKIP)
+    torch_suite.check_census(results, COLLECTIVE_TESTS + GATHER_TESTS, EXCLUDED,
+                             not_run=CENSUS_SKIP)
 
 
 def run_and_read_debug_level(world, name: str, temp_dir: str) -> tuple:

@@ -90,6 +90,38 @@ def test_routed_all_reduce_gives_gloos_bits_and_repeats_skip_the_full_path(pools
         assert out["answered"] >= out["calls"], out
 
 
+def run_reused_tensors_against_gloo(world) -> list[str]:
+    """One tensor all-reduced again and again with new values, and new tensors where
+    the allocator puts freed ones: the direct path copies from addresses it met before
+    through views it made then (comm/shm/direct.py), which must read the values of now."""
+    gloo = torch_route.original("all_reduce")
+    torch_route.route()
+    mismatches = []
+    try:
+        for dtype in (torch.float32, torch.int64, torch.bfloat16):
+            for shape in ((256,), (3, 5), ()):
+                reused = torch.empty(shape, dtype=dtype)
+                for step in range(8):
+                    x = _values(shape, dtype, world.rank, 1000 + step)
+                    want = x.clone()
+                    gloo(want)
+                    reused.copy_(x)
+                    dist.all_reduce(reused)
+                    fresh = x.clone()  # often where the last step's clone was
+                    dist.all_reduce(fresh)
+                    for name, got in (("reused", reused), ("fresh", fresh)):
+                        if not torch.equal(got, want):
+                            mismatches.append(f"{dtype} {shape} step {step} {name}")
+    finally:
+        torch_route.restore()
+    return mismatches
+
+
+def test_a_tensor_reused_or_a_freed_address_gives_the_values_of_now(pools):
+    for mismatches in pools(2).run(run_reused_tensors_against_gloo):
+        assert mismatches == []
+
+
 PUBLIC_OPS = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT,
               "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
               "band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR,

@@ -193,3 +193,53 @@ def test_ops_that_are_not_routed_go_to_torch(op):
     assert torch_route._reduction(dist.ReduceOp.SUM, torch.int16, "all_reduce") is None
     assert torch_route._reduction(dist.ReduceOp.MAX, torch.complex64, "all_reduce") is None
     assert torch_route._reduction(dist.ReduceOp.SUM, torch.bfloat16, "all_reduce") == "sum"
+
+
+def run_routed_all_gather(world):
+    r, w = world.rank, world.world_size
+    torch_route.route()
+    try:
+        out = {}
+        before = torch_route.counts().get("all_gather", 0)
+        mine = torch.arange(6, dtype=torch.float64).view(2, 3) + 10 * r
+        gathered = [torch.empty(2, 3, dtype=torch.float64) for _ in range(w)]
+        dist.all_gather(gathered, mine)
+        out["values"] = [t.tolist() for t in gathered]
+        # outputs that need grad, and a conjugate view as the input
+        leaves = [torch.zeros(2, requires_grad=True) for _ in range(w)]
+        dist.all_gather(leaves, torch.full((2,), float(r)))
+        out["leaves"] = [t.tolist() for t in leaves]
+        z = torch.tensor([1 + 2j, 3 - 1j]) * (r + 1)
+        zs = [torch.empty(2, dtype=torch.complex64) for _ in range(w)]
+        dist.all_gather(zs, z.conj())
+        out["conj"] = all(torch.equal(zs[i], (torch.tensor([1 + 2j, 3 - 1j]) * (i + 1)).conj())
+                          for i in range(w))
+        objects = [None] * w
+        dist.all_gather_object(objects, {"rank": r})  # torch's code calls all_gather
+        out["objects"] = objects
+        out["routed"] = torch_route.counts().get("all_gather", 0) - before
+        # left to torch: a list of the wrong length (torch refuses it), async calls, and
+        # ddpkit's own object collectives (inside torch's all_gather_object)
+        after = torch_route.counts().get("all_gather", 0)
+        out["short_list_refused_by_torch"] = _raises(
+            lambda: dist.all_gather([torch.empty(2)], torch.ones(2)))
+        dist.all_gather([torch.empty(1) for _ in range(w)], torch.ones(1),
+                        async_op=True).wait()
+        namespace = {"__name__": "ddpkit.something", "dist": dist, "w": w}
+        exec("def inner():\n    dist.all_gather_object([None] * w, 1)\n", namespace)
+        namespace["inner"]()
+        out["not_routed"] = torch_route.counts().get("all_gather", 0) - after
+    finally:
+        torch_route.restore()
+    return out
+
+
+def test_torchs_all_gather_goes_through_ddpkit_where_proven_and_to_torch_otherwise(pools):
+    for out in pools(2).run(run_routed_all_gather):
+        assert out["values"] == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]],
+                                 [[10.0, 11.0, 12.0], [13.0, 14.0, 15.0]]], out
+        assert out["leaves"] == [[0.0, 0.0], [1.0, 1.0]] and out["conj"], out
+        assert out["objects"] == [{"rank": 0}, {"rank": 1}], out
+        # three lists, then all_gather_object's two (the sizes, then the bytes)
+        assert out["routed"] == 5 and out["not_routed"] == 0, out
+        assert out["short_list_refused_by_torch"], out

@@ -21,7 +21,9 @@ test:
   values of their own);
 * ``"routed"``: torch's own names, with ``ddpkit.comm.torch_route`` behind them (what
   ``ddpkit launch`` does in every worker): each call checked against torch's function as
-  for ``"comm"``, and counted as reaching ddpkit only when the route answered it;
+  for ``"comm"`` (for ``all_gather``, every tensor of its output list), and counted as
+  reaching ddpkit only when the route answered it (``all_gather_object``: its inner
+  ``all_gather`` calls);
 * ``"swapped"``: ``ddpkit.parallel.compat.torch_swap.DistributedDataParallel`` (ddpkit's engine
   that is also torch's class) behind both of torch's names, as for ``"ddpkit"``;
 * ``"torch"``: nothing substituted (the baseline).
@@ -151,16 +153,20 @@ def _against_torch(name: str, ours, theirs, count: bool = True):
     def call(*args, **kwargs):
         _uses[0] += count
         bound = signature.bind(*args, **kwargs)
-        tensor = bound.arguments.get("tensor")
+        # what the call writes: all_gather's list of outputs, else its one tensor
+        written = "tensor_list" if name == "all_gather" else "tensor"
+        tensor = bound.arguments.get(written)
         expected = None
-        if isinstance(tensor, torch.Tensor):
-            reference = dict(bound.arguments, tensor=tensor.clone(), async_op=False)
+        if isinstance(tensor, torch.Tensor) or (
+                isinstance(tensor, list) and all(isinstance(t, torch.Tensor) for t in tensor)):
+            copy = [t.clone() for t in tensor] if isinstance(tensor, list) else tensor.clone()
+            reference = dict(bound.arguments, async_op=False, **{written: copy})
             try:
                 theirs(**reference)
             except Exception as exc:  # ours must refuse it too (checked below)
                 expected = exc
             else:
-                expected = reference["tensor"]
+                expected = reference[written]
         handle = ours(*args, **kwargs)
         if isinstance(expected, Exception):
             raise AssertionError(f"torch's {name} raised {expected!r}; ddpkit's did not")
@@ -174,9 +180,11 @@ def _against_torch(name: str, ours, theirs, count: bool = True):
                 if torch.distributed.get_rank() != dst or (
                         group is not None and torch.distributed.get_rank(group) < 0):
                     return  # only the destination's result is defined
-            if not torch.equal(tensor, expected):
-                raise AssertionError(f"ddpkit's {name} gave {tensor.flatten()[:8]} where "
-                                     f"torch's gave {expected.flatten()[:8]}")
+            pairs = zip(tensor, expected) if isinstance(tensor, list) else [(tensor, expected)]
+            for got, want in pairs:
+                if not torch.equal(got, want):
+                    raise AssertionError(f"ddpkit's {name} gave {got.flatten()[:8]} where "
+                                         f"torch's gave {want.flatten()[:8]}")
 
         if handle is not None:
             return _Checked(handle, check)
@@ -236,8 +244,10 @@ def _substitute(dt, engine: str) -> list:
         undo.append(torch_route.restore)
         ours = {name: _against_torch(name, _counting_route(name, getattr(dist, name)),
                                      torch_route.original(name), count=False)
-                for name in ("all_reduce", "broadcast", "reduce")}
+                for name in ("all_reduce", "broadcast", "reduce", "all_gather")}
         ours["barrier"] = _counting_route("barrier", dist.barrier)
+        # torch's own function, whose all_gather calls the route answers
+        ours["all_gather_object"] = _counting_route("all_gather", dist.all_gather_object)
         put(dt, "dist", _TorchDistributed(dist, ours))
         put(dt, "PROFILING_SUPPORTED_BACKENDS", [])
         put(dt, "CUDA_PROFILING_SUPPORTED_BACKENDS", [])

@@ -42,7 +42,7 @@ def small_all_reduce_s(calls: int) -> float | None:
 
 def one_number_all_gather_s(calls: int) -> float | None:
     """Median seconds of ``torch.distributed.all_gather`` of one int64 per rank (what the
-    Trainer does with the batch's token count every step; left to torch's gloo)."""
+    Trainer does with the batch's token count every step)."""
     mine = torch.ones(1, dtype=torch.int64)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     return _median_s(calls, lambda: dist.all_gather(out, mine))

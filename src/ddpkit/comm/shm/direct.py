@@ -11,14 +11,19 @@ into this call's area, publish (numel, signature word), barrier, check the peers
 words, reduce every rank's area in rank order into the tensor (the reduction's torch
 function called with out=, as the generic path's kernel calls it). The tensor keeps its
 shape (the area views are made in it and remembered), so no flat view is made per
-call. Results are bit for bit those of the generic path, which it takes itself for a
-message above the small size and for a communicator that was closed.
+call. The copy in is a ``memmove``, or, from an address met before (a tensor used
+again), a numpy copy from a view of those bytes made once. The reduction stays torch's:
+numpy's add and min/max of floats can differ from torch's in the bits of a NaN and
+the sign of a zero, and warn on overflow where torch does not. Results are bit for bit
+those of the generic path, which it takes itself for a message above the small size and
+for a communicator that was closed.
 """
 
 from __future__ import annotations
 
-from ctypes import memmove
+from ctypes import c_char, memmove
 
+import numpy as np
 import torch
 
 from ddpkit.comm import ops
@@ -26,6 +31,7 @@ from ddpkit.comm.shm.shm_collectives import SMALL_BYTES
 
 _META = 4  # words per meta slot: numel, signature word, allocation, offset (as all calls)
 _MAX_SHAPES = 256  # area views remembered per parity before starting over
+_MAX_ADDRESSES = 16  # callers' addresses remembered per parity and shape
 
 
 class DirectAllReduce:
@@ -55,7 +61,7 @@ class DirectAllReduce:
         self.published = [control.meta_index(comm.me, _META, p) for p in (0, 1)]
         self.peers_meta = [[control.meta_index(r, _META, p) for r in control.peers]
                            for p in (0, 1)]
-        self.rest = list(range(2, comm.local_size))  # areas reduced after the first two
+        self.rest = comm.local_size > 2  # areas to reduce after the first two
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         comm = self.comm
@@ -63,17 +69,24 @@ class DirectAllReduce:
         if numel > self.limit or comm._closed or tensor.is_neg():
             # (a negative view's bytes are not its values: the generic path copies values)
             return comm.all_reduce(tensor, self.op, signature=self.word)
-        parity = comm._calls & 1
-        comm._calls += 1
-        shape = tensor.shape
-        found = self.areas[parity].get(shape)
+        calls = comm._calls
+        comm._calls = calls + 1
+        parity = calls & 1
+        found = self.areas[parity].get(tensor.shape)
         if found is None:
-            found = self._areas(parity, shape, tensor.dtype)
-        areas, mine = found
+            found = self._areas(parity, tensor.shape, tensor.dtype)
+        areas, mine, at_mine, copies = found
         if numel:
             # the bytes of a contiguous CPU tensor into this rank's area: what copy_ does,
-            # without its dispatch
-            memmove(mine, tensor.data_ptr(), numel * self.itemsize)
+            # without its dispatch; from an address met before, a numpy copy between
+            # views made once (a fraction of a foreign call's cost), else memmove
+            ptr = tensor.data_ptr()
+            source = copies.get(ptr)
+            if source is None:
+                memmove(at_mine, ptr, numel * self.itemsize)
+                self._met(copies, ptr, numel * self.itemsize)
+            else:
+                mine[...] = source
         control = comm.control
         cells, word = control.cells, self.word
         at = self.published[parity]
@@ -87,18 +100,34 @@ class DirectAllReduce:
                 comm._disagreed((numel, word, -1, -1), parity)
         reduce = self.reduce
         reduce(areas[0], areas[1], out=tensor)
-        for r in self.rest:
-            reduce(tensor, areas[r], out=tensor)
+        if self.rest:
+            for area in areas[2:]:
+                reduce(tensor, area, out=tensor)
         if self.divisor is not None:
             tensor.div_(self.divisor)
         return tensor
 
     def _areas(self, parity: int, shape: torch.Size, dtype: torch.dtype) -> tuple:
-        """Every rank's area of this parity viewed in ``shape``, and where this rank's
-        starts."""
+        """Every rank's area of this parity viewed in ``shape``; this rank's bytes as a
+        numpy array, and their address; the copies from callers' addresses (:meth:`_met`)."""
         nbytes = shape.numel() * dtype.itemsize
         areas = [a[:nbytes].view(dtype).view(shape) for a in self.comm._small[parity]]
         if len(self.areas[parity]) >= _MAX_SHAPES:  # many distinct shapes: do not grow forever
             self.areas[parity].clear()
-        found = self.areas[parity][shape] = (areas, self.comm._small[parity][self.me].data_ptr())
+        mine = self.comm._small[parity][self.me][:nbytes]
+        found = self.areas[parity][shape] = (areas, mine.numpy(), mine.data_ptr(), {})
         return found
+
+    @staticmethod
+    def _met(copies: dict, ptr: int, nbytes: int) -> None:
+        """A caller's tensor at ``ptr`` was copied in: the second time an address is met
+        (a tensor used again, or a new one where the allocator put the last), a numpy
+        view of its bytes is made to copy from next time. The view does not own or keep
+        the memory: it is read only in a call whose tensor of this shape starts at
+        ``ptr``, so those bytes are that tensor's."""
+        if ptr not in copies:
+            copies[ptr] = None  # met once
+            if len(copies) > _MAX_ADDRESSES:  # addresses that never repeat: start over
+                copies.clear()
+            return
+        copies[ptr] = np.frombuffer((c_char * nbytes).from_address(ptr), dtype=np.uint8)

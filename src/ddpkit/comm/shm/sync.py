@@ -13,11 +13,16 @@ fences that Python cannot issue, so :func:`memory_model_ok` keeps shm off there.
 Waiting spins briefly (a barrier between ranks that arrive together costs
 microseconds), then yields the core, then sleeps with growing pauses: on a machine with
 more ranks than cores, a spinning rank would otherwise steal the time its late peer
-needs to arrive. A dead peer is noticed by its pid, a stuck one by the timeout.
+needs to arrive. How long it spins adapts: a wait in which yielding the core let
+another process run (the peer, or whoever keeps the peer from a core) shortens the next
+spin to a few microseconds, since spinning there only delays the peer; a wait whose
+yields came straight back (the core was not wanted) lengthens it again, up to SPIN_S.
+A dead peer is noticed by its pid, a stuck one by the timeout.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 
@@ -31,7 +36,11 @@ SEQ, PID = 0, 1
 META = 2  # first of the words a rank publishes to check that peers called alike
 META_WORDS = LINE_WORDS - META
 
-SPIN_S = 50e-6  # pure spinning: about the cost of two context switches
+SPIN_S = 50e-6  # pure spinning at most: about the cost of two context switches
+MIN_SPIN_S = 2e-6  # and at least, after waits in which another process needed the core
+# a sched_yield that took longer than this ran another process meanwhile (one that
+# returns at once is a system call, a fraction of this)
+YIELDED_S = 5e-6
 YIELD_S = 2e-3  # then sched_yield for a while
 # then sleeps doubling up to this: a waiter oversleeps its peer's arrival by up to one
 # pause, so the cap bounds that loss, at the price of one wake-up per pause while a peer
@@ -63,6 +72,7 @@ class Control:
         self.gen = int(self.words[me * LINE_WORDS + SEQ])
         self.peers = [r for r in range(nranks) if r != me]
         self.check_pids = True
+        self.spin_s = SPIN_S  # how long the next wait spins before yielding
 
     def publish_pid(self, pid: int) -> None:
         self.words[self.me * LINE_WORDS + PID] = pid
@@ -100,12 +110,16 @@ class Control:
     def _wait(self, peer: int, gen: int) -> None:
         words, index = self.cells, peer * LINE_WORDS + SEQ
         start = time.perf_counter()
-        while time.perf_counter() - start < SPIN_S:
+        spin = self.spin_s
+        while time.perf_counter() - start < spin:
             if words[index] >= gen:
                 return
-        while time.perf_counter() - start < YIELD_S:
-            time.sleep(0)
+        yielded = False  # whether a yield ran another process
+        while (now := time.perf_counter()) - start < YIELD_S:
+            os.sched_yield()
+            yielded = yielded or time.perf_counter() - now > YIELDED_S
             if words[index] >= gen:
+                self.spin_s = MIN_SPIN_S if yielded else min(2 * spin, SPIN_S)
                 return
         pause, next_check = 20e-6, start + LIVENESS_EVERY_S
         while words[index] < gen:
