@@ -16,10 +16,12 @@ same on every rank), every round on fresh random batches:
   for the global batch (``ddpkit.slice_count.default_slices``) or ``--slices``;
 * ``exact_1pr`` - exact mode with V = W: one slice per rank, so the gap to ``default``
   is the exact sum alone, and the gap to ``exact`` the cost of more, smaller passes;
-* ``exact_compiled``, ``exact_eager``, ``exact_f64`` and the same for ``exact_1pr`` (with
-  ``--sum-variants``) - the sum's ways side by side: the int32 format's passes always
-  compiled (``DDPKIT_EXACT_COMPILE=1``), always eager (``=0``), and the float64 format
-  (``DDPKIT_EXACT_SUM=float64``; its passes are eager torch operations);
+* ``exact_compiled``, ``exact_eager``, ``exact_f64``, ``exact_gather`` and the same for
+  ``exact_1pr`` (with ``--sum-variants``) - the sum's ways side by side: the int32
+  format's passes always compiled (``DDPKIT_EXACT_COMPILE=1``; on a model whose default
+  is another format, that format: the setting only applies to int32), always eager
+  (``=0``), the float64 format (``DDPKIT_EXACT_SUM=float64``; its passes are eager
+  torch operations) and the gather format (``DDPKIT_EXACT_SUM=gather``);
 * ``exact_base``, ``exact_1pr_base`` (with ``--baseline-src DIR``) - the same two, with
   the exact-mode reducer and sum of another ddpkit source tree (DIR: its ``src``, e.g.
   of a ``git worktree`` of an older commit), to compare two implementations in the
@@ -29,7 +31,8 @@ A step is ``zero_grad`` + forward/backward (per slice in exact mode, mean loss p
 slice) + ``SGD.step``, each variant with the process-wide settings its mode has
 (exact mode: torch's deterministic algorithms on); reported is the median on rank 0.
 Exact steps are also taken apart (medians per step, rank 0): the sum's phases (local
-max, the MAX all-reduce, encode, the SUM all-reduce, decode) and the rest (the slices'
+max, the MAX all-reduce, encode, the SUM all-reduce, decode; in the gather format the
+all-gather and the adding) and the rest (the slices'
 forward and backward, zero_grad and the SGD step).
 
 The workers run with the heap settings ``ddpkit launch`` and ``ddpkit train`` give
@@ -60,6 +63,7 @@ import ddpkit
 from ddpkit.bench.output import save_json
 from ddpkit.host_malloc import worker_malloc_env
 from ddpkit.parallel.exact.exact_compile import COMPILE_ENV
+from ddpkit.parallel.exact.exact_gather import ExactMeanGather
 from ddpkit.parallel.exact.exact_sum import ExactMean
 from ddpkit.parallel.exact.exact_sum32 import FORMAT_ENV, ExactMean32
 from ddpkit.parallel.exact.exact_transport import ExactTransport
@@ -69,7 +73,7 @@ from ddpkit.train.models import MLP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ddp_step import make_mlp  # noqa: E402  (the 8.4M-parameter benchmark MLP)
 
-PHASES = ("max", "all_reduce_max", "encode", "all_reduce_sum", "decode")
+PHASES = ("max", "all_reduce_max", "encode", "all_reduce_sum", "decode", "all_gather", "add")
 _spent: dict[str, float] = collections.defaultdict(float)  # phase -> seconds, this step
 
 
@@ -157,6 +161,8 @@ def _instrument(transport=ExactTransport, mean=ExactMean, reducer=None) -> None:
     if transport is not None:
         transport.max_ = _timed("all_reduce_max", transport.max_)
         transport.sum_ = _timed("all_reduce_sum", transport.sum_)
+        if hasattr(transport, "gather_"):
+            transport.gather_ = _timed("all_gather", transport.gather_)
 
 
 def _main_model() -> nn.Module:
@@ -175,7 +181,8 @@ def _cases(opts: dict) -> list[tuple[str, int, int, int]]:
 # --sum-variants: suffix -> (environment while the engine is built, while it steps)
 SUM_VARIANTS = {"_compiled": ({}, {COMPILE_ENV: "1"}),
                 "_eager": ({}, {COMPILE_ENV: "0"}),
-                "_f64": ({FORMAT_ENV: "float64"}, {})}
+                "_f64": ({FORMAT_ENV: "float64"}, {}),
+                "_gather": ({FORMAT_ENV: "gather"}, {})}
 
 
 def _set_env(settings: dict[str, str]) -> dict[str, str | None]:
@@ -196,7 +203,8 @@ def _restore_env(before: dict[str, str | None]) -> None:
 def worker(world: ddpkit.World, opts: dict) -> dict:
     torch.set_num_threads(1)
     _instrument()
-    _instrument(transport=None, mean=ExactMean32)  # the default format's sum
+    _instrument(transport=None, mean=ExactMean32)  # the int32 format's sum
+    ExactMeanGather.add = _timed("add", ExactMeanGather.add)  # the gather format's sum
     baseline = None
     if opts["baseline_src"]:
         baseline, baseline_sum = _load_baseline(opts["baseline_src"])
@@ -324,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         model_name, batch, variant = key.split("|")
         ms = statistics.median(r["times"]) * 1e3
         ratio = ms / defaults[f"{model_name}|{batch}"]
-        phases = {k: statistics.median(v) * 1e3 for k, v in r["phases"].items()}
+        phases = {k: statistics.median(v) * 1e3 for k, v in r["phases"].items() if any(v)}
         if phases:
             # the rest: the slices' forward/backward, zero_grad, SGD
             phases["rest"] = ms - sum(phases.values())

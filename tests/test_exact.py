@@ -149,10 +149,10 @@ def test_users_loop_with_dropout_ends_with_the_same_bits_at_every_world_size(poo
         assert not _same(pools(2).run(_restoring, _users_loop, False)[0], plain_one)
 
 
-@pytest.mark.parametrize("sum_format", ["int32", "float64"])
+@pytest.mark.parametrize("sum_format", ["int32", "float64", "gather"])
 def test_every_transport_sums_to_the_same_bits(pools, sum_format):
-    """The exact sum is associative, so gloo, the ring and shared memory agree (in each
-    format: this small model's default is float64, so int32 is asked for)."""
+    """The exact sum does not depend on how the collectives add or move data, so gloo,
+    the ring and shared memory agree (in each format, asked for by name)."""
     auto = pools(2).run(_restoring, _with_sum_format, sum_format, _users_loop, True)[0]
     for comm in ("backend", "ring", "shm"):
         again = pools(2).run(_restoring, _with_sum_format, sum_format, _users_loop, True, 6,
@@ -234,7 +234,7 @@ def _with_sum_format(world, sum_format, fn, *args):
 
 def test_a_run_started_with_another_sum_format_continues_with_it_at_another_world_size(
         pools, tmp_path):
-    """This small model's default is the float64 sum; a run whose checkpoint says int32
+    """This small model's default is the gather sum; a run whose checkpoint says int32
     resumes in int32 (the same bits as uninterrupted), not in the default."""
     full = pools(2).run(_restoring, _with_sum_format, "int32", _run_loop,
                         str(tmp_path / "full"))

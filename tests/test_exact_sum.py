@@ -18,6 +18,7 @@ from ddpkit.errors import ConfigError
 from ddpkit.parallel.exact.exact_sum import fixed_point_bits
 from ddpkit.parallel.exact.exact_sum32 import (
     FORMAT_ENV,
+    GATHER_ELEMENTS,
     INT32_MAX_TERMS,
     SMALL_SUM_ELEMENTS,
     choose_format,
@@ -191,31 +192,109 @@ def test_extra_values_ride_along_in_the_max(fmt):
     assert flags.tolist() == [1.0, 1.0, 0.0]
 
 
+@pytest.mark.parametrize("v", [1, 2, 3, 12, 100])
+def test_gather_mean_is_within_its_bound_and_never_worse_than_float32(v):
+    """The gather format: float64 additions in slice order, then one division."""
+    terms = _terms(v, 8_000, seed=v)
+    got = make_mean("gather", v, terms.shape[1], v).mean(terms, torch.empty(8_000)).double()
+    exact = terms.double().sum(0) / v
+    plain = (terms.sum(0) / v).double()
+    finite = torch.isfinite(exact)
+    err = (got - exact).abs()[finite]
+    total = terms.double().abs().sum(0)
+    # twice the additions' part: the float64 reference rounds its additions as much
+    bound = ((2.0**-24 + 2.0**-52) * exact.abs() + 2.02 * (v - 1) * 2.0**-53 * total / v
+             + 2.0**-150)[finite]
+    assert (err <= bound).all()
+    float32_bound = (2.0**-24 * (exact.abs() + (v - 1) * total / v) + 2.0**-150)[finite]
+    assert (err <= float32_bound).all()
+    assert got[3] == terms[0, 3] and got[4] == exact[4]
+    assert torch.isinf(plain[3]) == (v > 1)  # float32's sum overflows there; float64's not
+    if v == 1:  # one term: the term itself, bit for bit
+        assert torch.equal(_bits(got.float()), _bits(terms[0]))
+
+
+def _gathered_means(terms: torch.Tensor, world: int, extras: list[torch.Tensor] | None = None):
+    """Each of ``world`` ranks' gather mean of ``terms`` (``[V, n]``), rank r holding the
+    slices r, r + W, ... as exact mode lays them out, the all-gather done here."""
+    v, n = terms.shape
+    extra = 0 if extras is None else len(extras[0])
+    ranks = [make_mean("gather", v // world, n, v, extra=extra) for _ in range(world)]
+    sent = []
+    for r, mean in enumerate(ranks):
+        mine = terms[list(owned_slices(r, world, v))]
+        mean.rows_view.copy_(mine)
+        tail = [] if extras is None else [extras[r]]
+        sent.append(torch.cat([mine.reshape(-1), *tail]))
+
+    def gather(out, inp):
+        out.copy_(torch.cat(sent))
+
+    results = []
+    for r, mean in enumerate(ranks):
+        flags = None if extras is None else extras[r].clone()
+        got = mean.mean(mean.rows_view, torch.empty(n), all_gather=gather, extra_max=flags)
+        results.append((got, flags))
+    return results
+
+
+def test_gather_mean_has_the_same_bits_at_every_world_size():
+    """Every rank of every W that divides V ends with the bits one process gets (a
+    fixed order of additions, by slice), and the extras hold their maximum."""
+    v = 12
+    terms = _terms(v, 4_000, seed=5)
+    terms[:, 5:9] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1.0])
+    terms[3, 8] = float("inf")
+    reference = _bits(make_mean("gather", v, 4_000, v).mean(terms, torch.empty(4_000)))
+    for world in (1, 2, 3, 4, 6, 12):
+        extras = [torch.tensor([float(r == 1), 0.0]) for r in range(world)]
+        for got, flags in _gathered_means(terms, world, extras):
+            assert torch.equal(_bits(got), reference), world
+            assert flags.tolist() == [float(world > 1), 0.0]
+    # The order is what makes it so: adding the same rows in rank order instead differs.
+    by_rank = torch.cat([terms[r::2] for r in range(2)]).double()
+    assert not torch.equal(_bits((by_rank.cumsum(0)[-1] / v).float()), reference)
+
+
+def test_gather_mean_wants_every_row_in_its_place():
+    mean = make_mean("gather", 2, 10, 4, segments=[4, 6])
+    with pytest.raises(ValueError, match="give all 2 local rows"):
+        mean.mean([torch.ones(2, 4), [torch.ones(6)]], torch.empty(10),
+                  all_gather=lambda out, inp: None)
+    with pytest.raises(ValueError, match="same row count on every rank"):
+        make_mean("gather", 3, 10, 4)
+
+
 def test_the_int32_format_serves_up_to_63_slices_and_float64_above(monkeypatch):
     monkeypatch.delenv(FORMAT_ENV, raising=False)
-    big = SMALL_SUM_ELEMENTS
+    big = max(SMALL_SUM_ELEMENTS, GATHER_ELEMENTS)  # above the gather format's V * n
     assert [int32_bits(v) for v in (1, 2, 3, 4, 8, 12, 63)] == [30, 29, 29, 28, 27, 27, 25]
     assert choose_format(63, numel=big) == "int32"
     assert choose_format(64, numel=big) == "float64"
     assert choose_format(12, "float64", numel=big) == "float64"
     with pytest.raises(ConfigError, match="at most 63 slices.*DDPKIT_EXACT_SUM=float64"):
         choose_format(64, "int32", numel=big)
-    with pytest.raises(ConfigError, match="one of int32, float64"):
+    with pytest.raises(ConfigError, match="one of int32, float64, gather"):
         choose_format(8, "int16", numel=big)
 
 
-def test_small_models_sum_in_float64_by_default_at_every_world_size(pools, monkeypatch):
-    """Below SMALL_SUM_ELEMENTS trainable elements the default is the float64 format,
-    from the element count and V alone: an engine at W = 1 and at W = 2 picks the same
-    (the main job's MLP is small, the 8.4M benchmark MLP is not); asked for, int32
-    still serves a small model."""
+def test_small_models_sum_in_gather_or_float64_by_default_at_every_world_size(pools,
+                                                                             monkeypatch):
+    """Up to GATHER_ELEMENTS elements in V rows the default is the gather format, else
+    below SMALL_SUM_ELEMENTS trainable elements float64, from the element count and V
+    alone: an engine at W = 1 and at W = 2 picks the same (the main job's MLP is small,
+    the 8.4M benchmark MLP is not); asked for, int32 still serves a small model."""
     monkeypatch.delenv(FORMAT_ENV, raising=False)
-    assert choose_format(8, numel=SMALL_SUM_ELEMENTS - 1) == "float64"
-    assert choose_format(8, numel=SMALL_SUM_ELEMENTS) == "int32"
+    assert choose_format(8, numel=GATHER_ELEMENTS // 8) == "gather"
+    assert choose_format(16, numel=GATHER_ELEMENTS // 16 + 1) == "float64"
+    assert choose_format(64, numel=GATHER_ELEMENTS // 64) == "gather"  # any V
+    assert choose_format(12, numel=SMALL_SUM_ELEMENTS - 1) == "float64"
+    assert choose_format(12, numel=SMALL_SUM_ELEMENTS) == "int32"
     assert choose_format(8, "int32", numel=10) == "int32"
     for world in (1, 2):
         picked = pools(world).run(_engine_formats)
-        assert picked == [{"small": "float64", "large": "int32"}] * world, (world, picked)
+        assert picked == [{"small": "gather", "large": "int32", "small16": "float64"}] * world, \
+            (world, picked)
 
 
 def _engine_formats(world):
@@ -226,8 +305,9 @@ def _engine_formats(world):
     large = torch.nn.Linear(128, SMALL_SUM_ELEMENTS // 128)
     picked = {}
     try:
-        for name, module in (("small", small), ("large", large)):
-            model = ddpkit.DataParallel(module, exact=True, slices=4)
+        for name, module, v in (("small", small, 4), ("large", large, 12),
+                                ("small16", small, 16)):
+            model = ddpkit.DataParallel(module, exact=True, slices=v)
             picked[name] = model.exact.sum_format
             model.transport.close()
     finally:  # the process-wide settings exact mode pins, put back for later tests

@@ -237,14 +237,20 @@ class ExactReducer:
                 "call optimizer.zero_grad() (set_to_none=True, its default) before each step "
                 "(exact mode accumulates across slices, not across steps)")
         if self._mean is None or self._local_slices != local_slices:
+            # the gather format adds rows in slice order: every gradient is copied into
+            # its slice's row of the buffer the gather sends (one segment, all packed)
+            gather = self.sum_format == "gather"
+            self._segments = ([list(range(len(self.params)))] if gather
+                              else _segments([p.numel() for p in self.params]))
             self._mean = make_mean(self.sum_format, local_slices, self.numel,
                                    self.slice_count, extra=len(self.params),
                                    device=self.device, allocate=self.transport.allocate,
                                    segments=[sum(self.params[i].numel() for i in run)
                                              for run in self._segments])
-            self._packs = [self._pack(run, local_slices)
-                           if self.params[run[0]].numel() < _KEEP_ELEMENTS else None
-                           for run in self._segments]
+            self._packs = [self._pack(run, local_slices,
+                                      self._mean.rows_view if gather else None)
+                           if gather or self.params[run[0]].numel() < _KEEP_ELEMENTS
+                           else None for run in self._segments]
             self._local_slices = local_slices
         self._kept = [[] if pack is None else pack[0] for pack in self._packs]
         self._done = 0
@@ -342,11 +348,12 @@ class ExactReducer:
         if self._done == self._local_slices:
             self._reduce()
 
-    def _pack(self, run: list[int], local_slices: int):
-        """A ``[local_slices, size]`` buffer for a run of small gradients, and per row
-        its view per parameter."""
-        stacked = torch.empty(local_slices, sum(self.params[i].numel() for i in run),
-                              dtype=torch.float32, device=self.device)
+    def _pack(self, run: list[int], local_slices: int, stacked: torch.Tensor | None = None):
+        """A ``[local_slices, size]`` buffer for a run of small gradients (``stacked``,
+        else a new one), and per row its view per parameter."""
+        if stacked is None:
+            stacked = torch.empty(local_slices, sum(self.params[i].numel() for i in run),
+                                  dtype=torch.float32, device=self.device)
         views = []
         for m in range(local_slices):
             mine, offset = [], 0
@@ -379,15 +386,17 @@ class ExactReducer:
 
     def _reduce(self) -> None:
         used = torch.tensor(self._used, dtype=torch.float32, device=self.device)
-        many = self.world_size > 1
+        collectives = {}  # none on one process
+        if self.world_size > 1 and self.sum_format == "gather":
+            collectives = {"all_gather": self.transport.gather_}
+        elif self.world_size > 1:
+            collectives = {"all_reduce_max": self.transport.max_,
+                           "all_reduce_sum": self.transport.sum_}
         # Inside backward (this is its end callback): collectives must not capture
         # autograd's Python thread-local state (see ddpkit.lifetime).
         with no_python_tls():
             try:
-                self._mean.mean(self._kept, self._result,
-                                all_reduce_max=self.transport.max_ if many else None,
-                                all_reduce_sum=self.transport.sum_ if many else None,
-                                extra_max=used)
+                self._mean.mean(self._kept, self._result, extra_max=used, **collectives)
             finally:
                 # the kept gradients go back to the allocator
                 self._kept = [[] for _ in self._segments]

@@ -50,6 +50,7 @@ import torch
 
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.exact import exact_compile
+from ddpkit.parallel.exact.exact_gather import ExactMeanGather
 from ddpkit.parallel.exact.exact_sum import (
     Allocate,
     Column,
@@ -60,13 +61,17 @@ from ddpkit.parallel.exact.exact_sum import (
     empty_buffer,
 )
 
-FORMATS = ("int32", "float64")
+FORMATS = ("int32", "float64", "gather")
 FORMAT_ENV = "DDPKIT_EXACT_SUM"
 # The largest V with P = 31 - bit_length(V) >= 25 (see the module docstring).
 INT32_MAX_TERMS = 63
 # Fewer trainable elements than this: the float64 format by default (its eager passes
 # beat the compiled calls' fixed cost there; benchmarks/exact_sum_small.py measures it).
 SMALL_SUM_ELEMENTS = 1 << 14
+# At most this many elements in V rows of the model (V times its trainable elements):
+# the "gather" format by default (one collective and V float64 additions beat the other
+# formats' two collectives and passes there; benchmarks/exact_sum_small.py measures it).
+GATHER_ELEMENTS = 1 << 17
 
 
 def int32_bits(terms: int) -> int:
@@ -78,11 +83,14 @@ def int32_bits(terms: int) -> int:
 
 def choose_format(terms: int, requested: str | None = None, *, numel: int) -> str:
     """The sum's format for ``terms`` slices of ``numel`` elements: ``requested`` (else
-    ``$DDPKIT_EXACT_SUM``), else "int32" for up to :data:`INT32_MAX_TERMS` slices of at
+    ``$DDPKIT_EXACT_SUM``), else "gather" while ``terms * numel`` is at most
+    :data:`GATHER_ELEMENTS`, "int32" for up to :data:`INT32_MAX_TERMS` slices of at
     least :data:`SMALL_SUM_ELEMENTS` elements and "float64" otherwise. No world size
     goes in: the same model and V sum the same way, and give the same bits, at any."""
     requested = requested or os.environ.get(FORMAT_ENV, "").strip() or None
     if requested is None:
+        if terms * numel <= GATHER_ELEMENTS:
+            return "gather"
         small = numel < SMALL_SUM_ELEMENTS
         return "int32" if terms <= INT32_MAX_TERMS and not small else "float64"
     if requested not in FORMATS:
@@ -195,7 +203,9 @@ class ExactMean32:
 
 
 def make_mean(sum_format: str, rows: int, n: int, terms: int, **options):
-    """The exact mean of ``sum_format`` ("int32" or "float64")."""
+    """The exact mean of ``sum_format`` ("int32", "float64" or "gather")."""
+    if sum_format == "gather":
+        return ExactMeanGather(rows, n, terms, **options)
     if sum_format == "int32":
         return ExactMean32(rows, n, terms, **options)
     if sum_format == "float64":
@@ -203,5 +213,6 @@ def make_mean(sum_format: str, rows: int, n: int, terms: int, **options):
     raise ValueError(f"unknown exact sum format {sum_format!r}; one of {', '.join(FORMATS)}")
 
 
-__all__ = ["FORMATS", "FORMAT_ENV", "INT32_MAX_TERMS", "SMALL_SUM_ELEMENTS", "ExactMean32",
+__all__ = ["FORMATS", "FORMAT_ENV", "GATHER_ELEMENTS", "INT32_MAX_TERMS", "SMALL_SUM_ELEMENTS",
+           "ExactMean32",
            "choose_format", "int32_bits", "make_mean"]

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ddpkit.comm import all_gather as comm_all_gather
 from ddpkit.comm import all_reduce as comm_all_reduce
 from ddpkit.parallel.engine import transport
 from ddpkit.parallel.engine.state_sync import broadcast_coalesced
@@ -62,6 +63,15 @@ class ExactTransport:
     def max_(self, tensor: torch.Tensor) -> torch.Tensor:
         """The elementwise maximum across the group, in place, complete on return."""
         return self._reduce(tensor, "max")
+
+    def gather_(self, output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``input`` into ``output``, in rank order, complete on return
+        (the "gather" format's one collective)."""
+        if self._shm is not None and input.device.type == "cpu":
+            self._shm.comm.all_gather(output, input)
+        else:
+            comm_all_gather(output, input, group=self.group, algo=self.name)
+        return output
 
     def _reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         if self._shm is not None:
