@@ -22,6 +22,9 @@ same on every rank), every round on fresh random batches:
   is another format, that format: the setting only applies to int32), always eager
   (``=0``), the float64 format (``DDPKIT_EXACT_SUM=float64``; its passes are eager
   torch operations) and the gather format (``DDPKIT_EXACT_SUM=gather``);
+* ``floor``, ``floor_1pr`` (with ``--floor``) - the same slices (V, and V = W) in plain
+  torch on the bare module, no engine, no sum, deterministic algorithms on: what exact
+  mode's smaller passes cost by themselves, the floor under its step time;
 * ``exact_base``, ``exact_1pr_base`` (with ``--baseline-src DIR``) - the same two, with
   the exact-mode reducer and sum of another ddpkit source tree (DIR: its ``src``, e.g.
   of a ``git worktree`` of an older commit), to compare two implementations in the
@@ -107,11 +110,14 @@ def _load_baseline(src: str):
     where = os.path.dirname(package) if old else package
     prefix = "ddpkit.parallel." if old else "ddpkit.parallel.exact."
     modules = {}
-    for name in ("exact_sum", "exact_reducer"):
+    for name in ("exact_sum", "exact_sum32", "exact_reducer"):
         path = os.path.join(where, f"{name}.py")
+        if not os.path.exists(path):  # a tree from before the int32 format
+            continue
         with open(path) as f:
-            text = f.read().replace(f"from {prefix}exact_sum import",
-                                    "from baseline_exact_sum import")
+            text = f.read()
+        for own in ("exact_sum", "exact_sum32"):  # that tree's sum, not this one's
+            text = text.replace(f"from {prefix}{own} import", f"from baseline_{own} import")
         for was, now in _OLD_HOMES.items() if old else ():
             text = text.replace(was, now)
         spec = importlib.util.spec_from_loader(f"baseline_{name}", loader=None)
@@ -119,7 +125,7 @@ def _load_baseline(src: str):
         sys.modules[spec.name] = module
         exec(compile(text, path, "exec"), module.__dict__)
         modules[name] = module
-    return modules["exact_reducer"], modules["exact_sum"]
+    return modules["exact_reducer"], modules["exact_sum"], modules.get("exact_sum32")
 
 
 def _baseline_model(baseline, module: nn.Module, slices: int):
@@ -165,6 +171,16 @@ def _instrument(transport=ExactTransport, mean=ExactMean, reducer=None) -> None:
             transport.gather_ = _timed("all_gather", transport.gather_)
 
 
+def _plain_slices(per_rank: int):
+    """The floor of exact mode's smaller passes: this rank's slices cut the same way
+    (contiguous copies), run on the bare module in plain torch, no engine, no sum."""
+    def loop(*tensors):
+        for m in range(per_rank):
+            yield tuple(t[m::per_rank].contiguous() for t in tensors)
+
+    return loop
+
+
 def _main_model() -> nn.Module:
     return MLP(64, 10, (128,))
 
@@ -207,11 +223,13 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
     ExactMeanGather.add = _timed("add", ExactMeanGather.add)  # the gather format's sum
     baseline = None
     if opts["baseline_src"]:
-        baseline, baseline_sum = _load_baseline(opts["baseline_src"])
+        baseline, baseline_sum, baseline_sum32 = _load_baseline(opts["baseline_src"])
         if hasattr(baseline, "attach"):
             _instrument(mean=baseline_sum.ExactMean, reducer=baseline.ExactReducer)
         else:  # on this tree's transport, timed already
             _instrument(transport=None, mean=baseline_sum.ExactMean)
+        if baseline_sum32 is not None:
+            _instrument(transport=None, mean=baseline_sum32.ExactMean32)
     W, rank = world.world_size, world.rank
     runs = {}
     for model_name, batch, width, v in _cases(opts):
@@ -223,12 +241,16 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
         if opts["sum_variants"]:
             variants += [(f"exact{one}{suffix}", s) for one, s in (("", v), ("_1pr", W))
                          for suffix in SUM_VARIANTS]
+        if opts["floor"]:
+            variants += [("floor", v), ("floor_1pr", W)]
         for variant, slices in variants:
             if slices is not None and (batch % slices or slices % W):
                 continue
             module = copy.deepcopy(base)
             if slices is None:
                 model, slice_loop = ddpkit.DataParallel(module), None
+            elif variant.startswith("floor"):
+                model, slice_loop = module, _plain_slices(slices // W)
             elif variant.endswith("_base"):
                 model, slice_loop = _baseline_model(baseline, module, slices)
             else:
@@ -284,7 +306,7 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
             print(f"  round {round_index + 1}/{opts['rounds']} done", file=sys.stderr, flush=True)
     out = {}
     for (model_name, batch, variant), r in runs.items():
-        params = [p.detach() for p in r["model"].module.parameters()]
+        params = [p.detach() for p in getattr(r["model"], "module", r["model"]).parameters()]
         out[f"{model_name}|{batch}|{variant}"] = {
             "slices": r["slices"], "times": r["times"],
             "phases": {k: list(v) for k, v in r["phases"].items()},
@@ -306,13 +328,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=os.path.join("benchmarks", "results", "exact_step.json"))
     p.add_argument("--sum-variants", action="store_true",
                    help="also the int32 sum always compiled, always eager, and the float64 sum")
+    p.add_argument("--floor", action="store_true",
+                   help="also the floor: the same slices in plain torch, no engine, no sum")
     p.add_argument("--baseline-src", default=None,
                    help="another ddpkit source tree (its src/): its exact mode runs too")
     args = p.parse_args(argv)
     opts = {"main_batch": args.main_batch,
             "mlp_batches": [int(b) for b in args.mlp_batches.split(",") if b],
             "slices": args.slices, "rounds": args.rounds, "steps": args.steps,
-            "warmup": args.warmup, "sum_variants": args.sum_variants,
+            "warmup": args.warmup, "sum_variants": args.sum_variants, "floor": args.floor,
             "baseline_src": os.path.abspath(args.baseline_src) if args.baseline_src else None}
     print(f"exact_step: {args.world_size} ranks gloo, 1 thread/rank, cases "
           f"{_cases(opts)}", file=sys.stderr)
@@ -336,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         if phases:
             # the rest: the slices' forward/backward, zero_grad, SGD
             phases["rest"] = ms - sum(phases.values())
-        same = len({res[key]["checksum"] for res in results}) == 1
+        # (the floor communicates nothing: its replicas differ by design)
+        same = "-" if variant.startswith("floor") else (
+            len({res[key]["checksum"] for res in results}) == 1)
         rows.append({"model": model_name, "global_batch": int(batch), "variant": variant,
                      "slices": r["slices"], "median_ms": round(ms, 3),
                      "vs_default": round(ratio, 3), "replicas_equal": same,

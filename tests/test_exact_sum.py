@@ -286,14 +286,14 @@ def test_small_models_sum_in_gather_or_float64_by_default_at_every_world_size(po
     the 8.4M benchmark MLP is not); asked for, int32 still serves a small model."""
     monkeypatch.delenv(FORMAT_ENV, raising=False)
     assert choose_format(8, numel=GATHER_ELEMENTS // 8) == "gather"
-    assert choose_format(16, numel=GATHER_ELEMENTS // 16 + 1) == "float64"
+    assert choose_format(32, numel=GATHER_ELEMENTS // 32 + 1) == "float64"
     assert choose_format(64, numel=GATHER_ELEMENTS // 64) == "gather"  # any V
-    assert choose_format(12, numel=SMALL_SUM_ELEMENTS - 1) == "float64"
-    assert choose_format(12, numel=SMALL_SUM_ELEMENTS) == "int32"
+    assert choose_format(32, numel=SMALL_SUM_ELEMENTS - 1) == "float64"
+    assert choose_format(32, numel=SMALL_SUM_ELEMENTS) == "int32"
     assert choose_format(8, "int32", numel=10) == "int32"
     for world in (1, 2):
         picked = pools(world).run(_engine_formats)
-        assert picked == [{"small": "gather", "large": "int32", "small16": "float64"}] * world, \
+        assert picked == [{"small": "gather", "large": "int32", "small32": "float64"}] * world, \
             (world, picked)
 
 
@@ -305,8 +305,8 @@ def _engine_formats(world):
     large = torch.nn.Linear(128, SMALL_SUM_ELEMENTS // 128)
     picked = {}
     try:
-        for name, module, v in (("small", small, 4), ("large", large, 12),
-                                ("small16", small, 16)):
+        for name, module, v in (("small", small, 4), ("large", large, 16),
+                                ("small32", small, 32)):
             model = ddpkit.DataParallel(module, exact=True, slices=v)
             picked[name] = model.exact.sum_format
             model.transport.close()

@@ -42,10 +42,16 @@ from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.lifetime import no_python_tls
 from ddpkit.log import get_logger
 from ddpkit.parallel.engine.interfaces import CommHook
-from ddpkit.parallel.exact.exact_sum import PIECE_ELEMENTS
 from ddpkit.parallel.exact.exact_sum32 import FORMATS, choose_format, make_mean
 from ddpkit.parallel.exact.exact_transport import ExactTransport, agreed_settings
-from ddpkit.parallel.exact.slices import owned_slices, pin_numerics, slice_positions, slice_rng
+from ddpkit.parallel.exact.kept_grads import KeptGradients
+from ddpkit.parallel.exact.slices import (
+    caller_streams,
+    owned_slices,
+    pin_numerics,
+    seed_slice,
+    slice_positions,
+)
 from ddpkit.slice_count import EXACT_THREADS, check_slices, saved_slice_count
 
 log = get_logger(__name__)
@@ -96,6 +102,7 @@ class ExactReducer:
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
         self.device = self.params[0].device
+        self._devices = [self.device]
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -118,16 +125,10 @@ class ExactReducer:
             self.set_slice_count(slices)
         self.step = 0
         self._buffers = list(module.named_buffers())
-        # The step's terms for the sum, per segment of the parameters: a large gradient
-        # is kept as autograd left it (a flat view, no copy; a list of the local slices'
-        # ones), while a run of consecutive small ones is copied into a [V/W, size]
-        # buffer, a row per local slice, so the sum works on a few long segments and
-        # takes the rows of a stacked one in single ops (a missing term is zeros).
-        self._segments = _segments([p.numel() for p in self.params])
-        self._kept: list = []  # per segment: list of 1-D gradients, or the stacked buffer
-        self._packs: list = []  # per segment: (buffer, views per local slice) or None
+        self._kept = KeptGradients(self.params, self.device)  # the step's terms
         self._local_slices = 0
         self._result = torch.empty(total, dtype=torch.float32, device=self.device)
+        self._grad_views: list[torch.Tensor] | None = None  # per parameter, of _result
         self._mean: Any = None  # ExactMean32 or ExactMean, by the format
         self._local: int | None = None  # the local slice being run, inside slices()
         self._done = 0  # local slices of this step whose backward has ended
@@ -207,27 +208,32 @@ class ExactReducer:
         owned = owned_slices(self.rank, self.world_size, v)
         self._begin_step(len(parts))
         finished = False
+        step = self.step  # (the last slice's backward counts the step done)
         try:
-            for m, (part, k) in enumerate(zip(parts, owned, strict=True)):
-                # Contiguous copies: a strided view's layout (its stride is V/W rows)
-                # could steer a kernel to another code path at another world size.
-                pieces = tuple(t[part].contiguous() for t in tensors)
-                with slice_rng(self.seed, self.step, k, [self.device]):
+            with caller_streams(self._devices) as generators:
+                for m, (part, k) in enumerate(zip(parts, owned, strict=True)):
+                    # Contiguous copies: a strided view's layout (its stride is V/W rows)
+                    # could steer a kernel to another code path at another world size.
+                    pieces = [t[part].contiguous() for t in tensors]
+                    seed_slice(generators, self.seed, step, k)
                     self._local = m
-                    yield pieces[0] if len(pieces) == 1 else pieces
+                    yield pieces[0] if len(pieces) == 1 else tuple(pieces)
                     self._local = None
-                if self._done != m + 1:
-                    raise DdpkitError(
-                        f"exact mode: slice {m + 1} of {len(parts)} on this rank ran no "
-                        "backward through the model; each slice needs one forward and one "
-                        "backward (loss.backward()) inside the loop")
+                    self._check_ran(m, len(parts))
             finished = True
         finally:
             self._local = None
             self.armed = False
             if not finished:
                 self._done = 0
-                self._kept = [[] for _ in self._segments]
+                self._kept.clear()
+
+    def _check_ran(self, m: int, local_slices: int) -> None:
+        if self._done != m + 1:
+            raise DdpkitError(
+                f"exact mode: slice {m + 1} of {local_slices} on this rank ran no "
+                "backward through the model; each slice needs one forward and one "
+                "backward (loss.backward()) inside the loop")
 
     def _begin_step(self, local_slices: int) -> None:
         leftover = [self.names[i] for i, p in enumerate(self.params) if p.grad is not None]
@@ -240,19 +246,15 @@ class ExactReducer:
             # the gather format adds rows in slice order: every gradient is copied into
             # its slice's row of the buffer the gather sends (one segment, all packed)
             gather = self.sum_format == "gather"
-            self._segments = ([list(range(len(self.params)))] if gather
-                              else _segments([p.numel() for p in self.params]))
+            sizes = self._kept.plan(one_segment=gather)
             self._mean = make_mean(self.sum_format, local_slices, self.numel,
-                                   self.slice_count, extra=len(self.params),
+                                   self.slice_count,
+                                   extra=len(self.params) if self.find_unused else 0,
                                    device=self.device, allocate=self.transport.allocate,
-                                   segments=[sum(self.params[i].numel() for i in run)
-                                             for run in self._segments])
-            self._packs = [self._pack(run, local_slices,
-                                      self._mean.rows_view if gather else None)
-                           if gather or self.params[run[0]].numel() < _KEEP_ELEMENTS
-                           else None for run in self._segments]
+                                   segments=sizes)
+            self._kept.pack(local_slices, self._mean.rows_view if gather else None)
             self._local_slices = local_slices
-        self._kept = [[] if pack is None else pack[0] for pack in self._packs]
+        self._kept.begin()
         self._done = 0
         self._used = [False] * len(self.params)
         self._captured = [False] * local_slices
@@ -339,53 +341,22 @@ class ExactReducer:
         if sparse is not None:
             raise DdpkitError(f"parameter {self.names[sparse]!r} has a sparse gradient; exact "
                               "mode sums dense gradients (nn.Embedding(sparse=False))")
-        self._keep(m, grads)
-        for i, p in enumerate(self.params):
-            if grads[i] is not None:
-                self._used[i] = True
-                p.grad = None  # the next slice's backward writes a fresh gradient
+        self._kept.keep(m, grads)
+        if self.find_unused:
+            for i, g in enumerate(grads):
+                if g is not None:
+                    self._used[i] = True
+        for p in self.params:
+            p.grad = None  # the next slice's backward writes a fresh gradient
         self._done += 1
         if self._done == self._local_slices:
             self._reduce()
 
-    def _pack(self, run: list[int], local_slices: int, stacked: torch.Tensor | None = None):
-        """A ``[local_slices, size]`` buffer for a run of small gradients (``stacked``,
-        else a new one), and per row its view per parameter."""
-        if stacked is None:
-            stacked = torch.empty(local_slices, sum(self.params[i].numel() for i in run),
-                                  dtype=torch.float32, device=self.device)
-        views = []
-        for m in range(local_slices):
-            mine, offset = [], 0
-            for i in run:
-                size = self.params[i].numel()
-                mine.append(stacked[m, offset:offset + size].view_as(self.params[i]))
-                offset += size
-            views.append(mine)
-        return stacked, views
-
-    def _keep(self, m: int, grads: list[torch.Tensor | None]) -> None:
-        """Local slice ``m``'s gradients into the step's terms: a large one kept as it
-        is, small ones copied into row ``m`` of their run's buffer (zeros if unused)."""
-        for j, (run, pack) in enumerate(zip(self._segments, self._packs, strict=True)):
-            if pack is None:
-                g = grads[run[0]]
-                if g is not None:
-                    self._kept[j].append(_flat_float32(g))
-                continue
-            views = pack[1][m]
-            mine = [grads[i] for i in run]
-            if all(g is not None for g in mine):  # (not "None in": that runs Tensor.__eq__)
-                torch._foreach_copy_(views, mine)  # one call for the run
-                continue
-            for view, g in zip(views, mine, strict=True):
-                if g is None:
-                    view.zero_()
-                else:
-                    view.copy_(g)
-
     def _reduce(self) -> None:
-        used = torch.tensor(self._used, dtype=torch.float32, device=self.device)
+        # Which parameters some slice on some rank used travels with the sum; without
+        # find_unused_parameters every slice used every one (it was checked).
+        used = (torch.tensor(self._used, dtype=torch.float32, device=self.device)
+                if self.find_unused else None)
         collectives = {}  # none on one process
         if self.world_size > 1 and self.sum_format == "gather":
             collectives = {"all_gather": self.transport.gather_}
@@ -396,17 +367,20 @@ class ExactReducer:
         # autograd's Python thread-local state (see ddpkit.lifetime).
         with no_python_tls():
             try:
-                self._mean.mean(self._kept, self._result, extra_max=used, **collectives)
+                self._mean.mean(self._kept.terms, self._result, extra_max=used,
+                                **collectives)
             finally:
-                # the kept gradients go back to the allocator
-                self._kept = [[] for _ in self._segments]
+                self._kept.clear()
         with torch.no_grad():
-            for i, (p, anywhere) in enumerate(zip(self.params, used.tolist(), strict=True)):
+            if self._grad_views is None:  # the same views of the result every step
+                self._grad_views = [
+                    self._result[start:start + p.numel()].view_as(p)
+                    for p, start in zip(self.params, self._offsets, strict=True)]
+            flags = used.tolist() if used is not None else [True] * len(self.params)
+            for p, view, anywhere in zip(self.params, self._grad_views, flags, strict=True):
                 if not anywhere:
                     p.grad = None  # unused on every rank, like torch DDP: optimizers skip it
                     continue
-                start = self._offsets[i]
-                view = self._result[start:start + p.numel()].view_as(p)
                 p.grad = view if p.dtype == view.dtype else view.to(p.dtype)
         self.step += 1
         changed = [name for (name, b), before in zip(self._buffers, self._versions)
@@ -416,34 +390,6 @@ class ExactReducer:
                 f"exact mode: buffer {changed[0]!r} changed during the step; per slice its "
                 "value would depend on the process layout (a layer that updates state in "
                 "forward: make it stateless, or update it outside the slice loop)")
-
-
-# A gradient at least this long is summed where autograd left it; shorter ones are
-# copied together (a copy of a short gradient costs less than the sum's per-op
-# overhead on it).
-_KEEP_ELEMENTS = PIECE_ELEMENTS
-
-
-def _segments(sizes: Sequence[int]) -> list[list[int]]:
-    """Parameter indices per segment of the sum, in order: a large parameter alone, a
-    run of consecutive small ones together."""
-    segments: list[list[int]] = []
-    for i, size in enumerate(sizes):
-        if size >= _KEEP_ELEMENTS:
-            segments.append([i])
-        elif segments and sizes[segments[-1][-1]] < _KEEP_ELEMENTS:
-            segments[-1].append(i)
-        else:
-            segments.append([i])
-    return segments
-
-
-def _flat_float32(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient as the sum reads it: float32, its elements in the parameter's logical
-    order (a copy only for another dtype or a non-contiguous layout)."""
-    if grad.dtype != torch.float32:
-        grad = grad.float()
-    return grad.reshape(-1)
 
 
 __all__ = ["EXACT_DTYPES", "NO_JOIN", "ExactReducer", "check_module"]

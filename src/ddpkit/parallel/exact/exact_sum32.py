@@ -70,8 +70,8 @@ INT32_MAX_TERMS = 63
 SMALL_SUM_ELEMENTS = 1 << 14
 # At most this many elements in V rows of the model (V times its trainable elements):
 # the "gather" format by default (one collective and V float64 additions beat the other
-# formats' two collectives and passes there; benchmarks/exact_sum_small.py measures it).
-GATHER_ELEMENTS = 1 << 17
+# formats' two collectives and passes there; benchmarks/exact_sum_formats.py measures it).
+GATHER_ELEMENTS = 1 << 18
 
 
 def int32_bits(terms: int) -> int:

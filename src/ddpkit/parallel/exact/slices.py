@@ -80,25 +80,39 @@ def _generators(devices: Sequence[torch.device]) -> list[torch.Generator]:
 
 
 @contextlib.contextmanager
-def slice_rng(seed: int, step: int, slice: int,
-              devices: Sequence[torch.device] = ()) -> Iterator[int]:
-    """Inside: torch's CPU generator (and those of ``devices``' CUDA devices) seeded
-    for this slice; afterwards they are back where they were. Yields the seed.
-
-    (The generators are seeded directly: ``torch.manual_seed`` also queues a seed for
-    every accelerator type, with a stack trace each, which costs far more than seeding
-    a generator, once per slice.)
-    """
-    value = slice_seed(seed, step, slice)
+def caller_streams(devices: Sequence[torch.device] = ()) -> Iterator[list[torch.Generator]]:
+    """Inside: torch's CPU generator (and those of ``devices``' CUDA devices), to be
+    seeded per slice with :func:`seed_slice`; afterwards they are back where they
+    were (saved once for a step's slices, not once per slice)."""
     generators = _generators(devices)
     saved = [g.get_state() for g in generators]
     try:
-        for g in generators:
-            g.manual_seed(value)
-        yield value
+        yield generators
     finally:
         for g, state in zip(generators, saved):
             g.set_state(state)
+
+
+def seed_slice(generators: Sequence[torch.Generator], seed: int, step: int,
+               slice: int) -> int:
+    """Seed ``generators`` for slice ``slice`` of step ``step``; returns the seed.
+
+    (The generators are seeded directly: ``torch.manual_seed`` also queues a seed for
+    every accelerator type, with a stack trace each, which costs far more than seeding
+    a generator, once per slice.)"""
+    value = slice_seed(seed, step, slice)
+    for g in generators:
+        g.manual_seed(value)
+    return value
+
+
+@contextlib.contextmanager
+def slice_rng(seed: int, step: int, slice: int,
+              devices: Sequence[torch.device] = ()) -> Iterator[int]:
+    """Inside: torch's CPU generator (and those of ``devices``' CUDA devices) seeded
+    for this slice; afterwards they are back where they were. Yields the seed."""
+    with caller_streams(devices) as generators:
+        yield seed_slice(generators, seed, step, slice)
 
 
 def pin_numerics(threads: int = EXACT_THREADS, *, cuda: bool = False) -> None:
@@ -116,5 +130,5 @@ def pin_numerics(threads: int = EXACT_THREADS, *, cuda: bool = False) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-__all__ = ["slice_positions", "owned_slices", "pin_numerics", "slice_rng",
-           "slice_seed"]
+__all__ = ["caller_streams", "owned_slices", "pin_numerics", "seed_slice", "slice_positions",
+           "slice_rng", "slice_seed"]
