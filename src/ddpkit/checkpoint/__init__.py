@@ -10,19 +10,45 @@
   ``rng`` (per-rank random streams), ``fingerprint`` (config hashes and differences).
 """
 
-from ddpkit.checkpoint._dist import local_device
-from ddpkit.checkpoint.cadence import Cadence
-from ddpkit.checkpoint.collect import collect_state, restore_state
-from ddpkit.checkpoint.dcp_load import load_dcp, read_model_state
-from ddpkit.checkpoint.fingerprint import config_changes, config_fingerprint
-from ddpkit.checkpoint.model_state import (
-    check_model_state,
-    load_model_state,
-    strip_module_prefix,
-    unwrap,
-)
-from ddpkit.checkpoint.rng import gather_rng_states, rng_state, set_rng_state
-from ddpkit.checkpoint.store import FORMAT, Checkpointer, CheckpointError, CheckpointInfo
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> the module that defines it, imported on first use: the writing and loading
+# modules import torch's DCP (most of a second), which the launcher's look at a finished
+# run (the checkpoints' manifests) does not need.
+_WHERE = {
+    "local_device": "_dist",
+    "Cadence": "cadence",
+    "collect_state": "collect",
+    "restore_state": "collect",
+    "load_dcp": "dcp_load",
+    "read_model_state": "dcp_load",
+    "config_changes": "fingerprint",
+    "config_fingerprint": "fingerprint",
+    "check_model_state": "model_state",
+    "load_model_state": "model_state",
+    "strip_module_prefix": "model_state",
+    "unwrap": "model_state",
+    "gather_rng_states": "rng",
+    "rng_state": "rng",
+    "set_rng_state": "rng",
+    "FORMAT": "store",
+    "Checkpointer": "store",
+    "CheckpointError": "store",
+    "CheckpointInfo": "store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # looked up once
+    return value
+
 
 __all__ = [
     "FORMAT",

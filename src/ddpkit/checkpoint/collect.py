@@ -10,12 +10,12 @@ from typing import Any
 import torch
 
 from ddpkit.checkpoint._dist import _rank, _world_size
+from ddpkit.checkpoint.common import IN_DCP
 from ddpkit.checkpoint.dcp_load import load_dcp
 from ddpkit.checkpoint.dcp_state import model_state, optimizer_from_names, optimizer_state
 from ddpkit.checkpoint.fingerprint import _config_json, config_changes, config_fingerprint
 from ddpkit.checkpoint.model_state import _preview, load_model_state
 from ddpkit.checkpoint.rng import gather_rng_states, set_rng_state
-from ddpkit.checkpoint.step_write import IN_DCP
 from ddpkit.checkpoint.store import DCP_DIR, FORMAT, SHARD_FILES, Checkpointer, CheckpointError
 from ddpkit.errors import DdpkitError
 from ddpkit.log import get_logger

@@ -16,6 +16,9 @@ from ddpkit.checkpoint._dist import _initialized, _rank, _world_size
 from ddpkit.durable import CountingSink, DiskFullError
 from ddpkit.errors import DdpkitError
 
+DCP_KEYS = ("model", "optimizer")  # what goes into DCP; the rest is the run's own state
+IN_DCP = "in_dcp"  # run.pt's list of the DCP_KEYS its DCP checkpoint holds
+
 
 class CheckpointError(DdpkitError, RuntimeError):
     """A checkpoint cannot be written, found, verified or applied to this model/run."""

@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ddpkit.checkpoint._dist import _initialized, _rank, _world_size
 from ddpkit.checkpoint.common import (
+    DCP_KEYS,
+    IN_DCP,
     CheckpointError,
     _from_rank0,
     _HashingWriter,
@@ -44,9 +46,6 @@ from ddpkit.checkpoint.dcp_files import (
     hashing_writer,
 )
 from ddpkit.durable import TMP_MARK, DiskFullError, atomic_file, free_bytes, fsync_dir, write_atomic
-
-DCP_KEYS = ("model", "optimizer")  # what goes into DCP; the rest is the run's own state
-IN_DCP = "in_dcp"  # run.pt's list of the DCP_KEYS its DCP checkpoint holds
 
 
 def _fqn_keyed(name: str, value: Any) -> bool:

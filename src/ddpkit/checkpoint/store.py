@@ -45,6 +45,7 @@ from typing import Any
 from ddpkit.checkpoint import legacy
 from ddpkit.checkpoint._dist import _rank, _world_size, local_device
 from ddpkit.checkpoint.common import (
+    DCP_KEYS,
     CheckpointError,
     CheckpointInfo,
     _agree,
@@ -53,7 +54,6 @@ from ddpkit.checkpoint.common import (
     _sha256_file,
     load_payload,
 )
-from ddpkit.checkpoint.step_write import DCP_KEYS, write_step
 from ddpkit.durable import TMP_MARK, DiskFullError, free_bytes, fsync_dir, is_disk_full
 from ddpkit.log import get_logger
 from ddpkit.writer_fence import StaleWriterError, claim, held
@@ -150,6 +150,10 @@ class Checkpointer:
         final = self.path_for(step)
         manifest = {"format": FORMAT, "step": int(step), "world_size": _world_size(),
                     "reason": reason, "saved_at": time.time(), "meta": dict(meta or {})}
+        # DCP's import takes most of a second: tools that only list checkpoints (the
+        # launcher's look at a run that ended) do without it
+        from ddpkit.checkpoint.step_write import write_step
+
         write_step(self.dir, final, state, manifest, MANIFEST, RUN_FILE,
                    commit=lambda tmp: self._commit(tmp, final))
         return final
