@@ -48,6 +48,7 @@ LAYERS = {
     "test_elastic_parts.py": UNIT,
     "test_ddp_buckets.py": UNIT,
     "test_exact_sum.py": UNIT,
+    "test_shm_barrier.py": UNIT,
     "test_exact_compile.py": UNIT,
     "test_readme.py": UNIT,
     "test_shard_layout.py": UNIT,
