@@ -6,8 +6,11 @@ means of the same V per-slice float32 gradients with the float64 mean of those f
 terms (exact to 2^-53, the reference):
 
 * ``exact, int32``   - exact mode's result in the int32 format (``ExactMean32``; the
-  default from 16384 elements, so not the main job's, which sums in float64);
+  default on large models, asked for here with ``DDPKIT_EXACT_SUM=int32``, so the run
+  trains with it);
 * ``exact, float64`` - the float64 format's result on the same terms (``ExactMean``);
+* ``exact, gather`` - the gather format's on the same terms (``ExactMeanGather``; the
+  main job's default);
 * ``float32`` - ``sum(rows) / V`` in float32, in slice order (one process's plain sum);
 * ``float32, pairs`` - the same sum grouped as 2 ranks would (even and odd slices).
 
@@ -21,21 +24,24 @@ Run:  python benchmarks/exact_accuracy.py [--epochs 3 --batch-size 96]
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
 import ddpkit
+from ddpkit.parallel.exact.exact_gather import ExactMeanGather
 from ddpkit.parallel.exact.exact_sum import ExactMean
-from ddpkit.parallel.exact.exact_sum32 import ExactMean32
+from ddpkit.parallel.exact.exact_sum32 import FORMAT_ENV, ExactMean32
 
 
 def worker(world, batch_size: int, epochs: int) -> dict:
     from ddpkit.train.config import Config
     from ddpkit.train.trainer import Trainer
 
-    worst = {name: [0.0, 0.0] for name in ("exact, int32", "exact, float64", "float32",
-                                           "float32, pairs")}
+    os.environ[FORMAT_ENV] = "int32"  # the hooked format (the main job's default is gather)
+    worst = {name: [0.0, 0.0] for name in ("exact, int32", "exact, float64", "exact, gather",
+                                           "float32", "float32, pairs")}
     formats = {"elements": 0, "differ": 0, "max ulp": 0, "max scaled": 0.0}
     original = ExactMean32.mean
 
@@ -58,7 +64,10 @@ def worker(world, batch_size: int, epochs: int) -> dict:
         formats["max ulp"] = max(formats["max ulp"], int(apart.max()))
         formats["max scaled"] = max(formats["max scaled"], float(
             ((result.double() - wide.double()).abs() / scale).max()))
+        gathered = ExactMeanGather(self.terms, self.n, self.terms).mean(
+            slots, torch.empty(self.n))
         means = {"exact, int32": result.double(), "exact, float64": wide.double(),
+                 "exact, gather": gathered.double(),
                  "float32": (slots.sum(0) / self.terms).double(),
                  "float32, pairs": ((slots[0::2].sum(0) + slots[1::2].sum(0))
                                     / self.terms).double()}

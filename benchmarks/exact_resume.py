@@ -81,7 +81,8 @@ def _sigterm_after_checkpoint(run: Path, argv: list[str], step: int) -> None:
     """Start the run, hold it at ``step + 1`` and SIGTERM it once ``step``'s checkpoint
     is on disk (the launcher passes the signal on; the ranks save and exit 75)."""
     proc = _start(run, argv, DDPKIT_TEST_SLEEP_AT_STEP=f"{step + 1}:*:300")
-    marker = run / "checkpoints" / f"step_{step:09d}.json"
+    # committed: the step's directory (renamed into place with its manifest) is there
+    marker = run / "checkpoints" / f"step_{step:09d}" / "manifest.json"
     deadline = time.monotonic() + 600
     while not marker.exists():
         if proc.poll() is not None or time.monotonic() > deadline:

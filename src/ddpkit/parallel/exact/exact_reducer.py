@@ -15,11 +15,12 @@ same intra-op thread count wherever they run, so each slice's gradient has the s
 bits on any rank. When the slice's backward ends, its gradients are kept for the sum
 (large ones as autograd left them, small ones copied together) and ``param.grad``
 goes back to None, so the next slice's backward starts clean.
-When the last local slice's backward ends, the kept gradients are summed with
-:class:`ddpkit.parallel.exact.exact_sum.ExactMean` (an associative fixed-point sum, one MAX
-and one SUM all-reduce, run by :mod:`ddpkit.parallel.exact.exact_transport`) and
-``.grad`` holds the mean over the V slices: the sum does not depend on which rank held
-which slice, so neither do the bits.
+When the last local slice's backward ends, the kept gradients are summed in the run's
+format (:func:`ddpkit.parallel.exact.exact_sum32.make_mean`: an associative fixed-point
+sum with one MAX and one SUM all-reduce, or on small models the gather format's one
+all-gather and additions in slice order; the collectives run by
+:mod:`ddpkit.parallel.exact.exact_transport`) and ``.grad`` holds the mean over the V
+slices: the sum does not depend on which rank held which slice, so neither do the bits.
 
 What exact mode refuses (one line each): comm hooks, ``no_sync()`` (accumulation is
 more slices), ``ddpkit.join`` (slices are equal by construction), layers that update
@@ -129,7 +130,7 @@ class ExactReducer:
         self._local_slices = 0
         self._result = torch.empty(total, dtype=torch.float32, device=self.device)
         self._grad_views: list[torch.Tensor] | None = None  # per parameter, of _result
-        self._mean: Any = None  # ExactMean32 or ExactMean, by the format
+        self._mean: Any = None  # ExactMean32, ExactMean or ExactMeanGather, by the format
         self._local: int | None = None  # the local slice being run, inside slices()
         self._done = 0  # local slices of this step whose backward has ended
         self.armed = False

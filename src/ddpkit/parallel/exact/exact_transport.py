@@ -1,16 +1,18 @@
-"""Exact mode's transport: where a step's two all-reduces run.
+"""Exact mode's transport: where a step's collectives run.
 
-Exact mode sums a step's gradients with :class:`~ddpkit.parallel.exact.exact_sum.ExactMean`:
-one MAX all-reduce of float32 maxima, then one SUM all-reduce of float64 fixed-point
-integers. Both are exact and order-free, so any algorithm gives the same bits; ``comm=``
-only chooses where they run, as it does for the default engine (``model.comm`` says
-which):
+Exact mode sums a step's gradients with a MAX all-reduce of the per-element scale, then
+a SUM all-reduce of fixed-point integers (the int32 and float64 formats), or with one
+all-gather of every slice's float32 row (the gather format, :meth:`gather_`). All are
+exact and order-free (an all-gather only moves bits), so any algorithm gives the same
+bits; ``comm=`` only chooses where they run, as it does for the default engine
+(``model.comm`` says which):
 
 * ``"shm"`` (what ``"auto"`` means for CPU ranks that share a host): the default
   engine's shared-memory transport, with the two reduced buffers allocated in its
   segment so nothing is copied in or out; where the segment cannot be set up, ``"auto"``
   falls back to the backend on every rank with one warning, as the default engine does;
-* ``"backend"``, ``"ring"``: :func:`ddpkit.comm.all_reduce` with that algorithm.
+* ``"backend"``, ``"ring"``: :func:`ddpkit.comm.all_reduce` (and ``all_gather``) with
+  that algorithm.
 
 Everything else the engine sends (the seed agreed at construction, and what any
 :class:`~ddpkit.parallel.engine.interfaces.Transport` carries) goes the same way.
