@@ -246,7 +246,15 @@ SLOW = {
     "test_torch_collective_suite.py": {"test_torch_collective_test_passes_with_ddpkit_comm",
                                        "test_census_every_cpu_collective_test_is_in_the_suite",
                                        "test_torch_collective_test_passes_with_torchs_names_"
-                                       "routed_to_ddpkit"},
+                                       "routed_to_ddpkit",
+                                       "test_a_torch_test_that_sets_the_debug_level_leaves_the_"
+                                       "worker_as_it_was"},
+    # a pool of its own (two interpreters importing torch), one of them crashing
+    "test_dist_pool.py": {
+        "test_a_rank_that_crashes_is_named_with_its_signal_and_stack_not_waited_for"},
+    # an interpreter that imports torch, to see what else it imports
+    "test_checkpoint_damage.py": {
+        "test_the_launchers_look_at_a_stopped_run_reads_manifests_without_importing_dcp"},
     "test_torch_swap.py": {"test_torch_names_give_ddpkit_engine_that_is_also_torchs_class"},
     # every test here starts interpreters that import torch (and most, a framework)
     "test_frameworks.py": {

@@ -78,3 +78,21 @@ def test_leftovers_of_damage_are_cleared_by_the_next_save(tmp_path):
     ckpt.save({"step": 40}, step=40)
     names = sorted(p.name for p in ckpt.dir.iterdir())
     assert names == ["step_000000010", "step_000000040"]
+
+
+def test_the_launchers_look_at_a_stopped_run_reads_manifests_without_importing_dcp(tmp_path):
+    """`ddpkit train`'s launcher asks, after its workers ended, whether a stop signal
+    wrote the newest checkpoint: the manifests say so, and torch's DCP (most of a second
+    to import, in every launch) stays out of that process."""
+    import subprocess
+    import sys
+
+    Checkpointer(tmp_path / "checkpoints", keep=None).save(
+        collect_state(model=Holder(1.0), step=4), step=4, reason="preempted")
+    probe = ("import sys; from pathlib import Path; from ddpkit.train import resume; "
+             f"found = resume.preempted_since(Path({str(tmp_path)!r}), 0.0); "
+             "print(found.step, 'torch.distributed.checkpoint' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["4", "False"], proc.stdout
