@@ -171,6 +171,20 @@ def test_root_cause_is_the_raiser_even_when_the_agent_stopped_it_while_it_wound_
     failures = {0: _failure(-15, message="Connection closed by peer", recorded=True),
                 1: _failure(1, message="ValueError: boom", recorded=True)}
     assert root_cause(failures)[0] == 1
+    # Both ranks raised a usage error (exit 2); rank 0, first, was SIGTERMed while it
+    # wound down (seen in CI): the launch still exits 2, not 1.
+    usage = {0: _failure(-15, message="UsageError: device_ids=[0]", recorded=True),
+             1: _failure(2, message="UsageError: device_ids=[1]", recorded=True)}
+    for rank, failure in usage.items():
+        failure.local_rank, failure.pid = rank, 1000 + rank
+    assert root_cause(usage)[0] == 0
+    assert report_failure(usage, "default") == 2
+    capsys.readouterr()
+    # a peer that only lost the connection does not lend its code
+    usage[1] = _failure(3, message="Connection closed by peer", recorded=True)
+    usage[1].local_rank, usage[1].pid = 1, 1001
+    assert report_failure(usage, "default") == 1
+    capsys.readouterr()
     # torch's own record of a rank that wrote no error file reads as not recorded.
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 

@@ -74,4 +74,21 @@ def report_failure(failures: dict, role: str, plain_rank0: bool = False) -> int:
                  f"prefixed {prefix}")
         what = f"failed first ({code}, pid {failure.pid}); its {said} is above, {shown}"
     print(f"ddpkit launch: rank {rank} {what}{also}", file=sys.stderr, flush=True)
-    return failure.exitcode if failure.exitcode > 0 else 1
+    return exit_code(rank, failures)
+
+
+def exit_code(rank: int, failures: dict) -> int:
+    """The launch's exit code: the root cause's own. A cause the agent stopped while it
+    wound down (it recorded its error, then SIGTERM came) never got to exit with its
+    code, so take the code of a peer that raised by itself and exited (SPMD ranks meet
+    the same mistake together: a usage error is 2 on every rank that reached it);
+    1 without one."""
+    failure = failures[rank]
+    if failure.exitcode > 0:
+        return failure.exitcode
+    if _recorded(failure):
+        for _, peer in sorted(failures.items()):
+            message = str(getattr(peer, "message", ""))
+            if peer.exitcode > 0 and _recorded(peer) and not any(p in message for p in _PEER_GONE):
+                return peer.exitcode
+    return 1
