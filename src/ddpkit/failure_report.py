@@ -30,6 +30,12 @@ def _recorded(failure) -> bool:
     return message not in (None, "", _NO_ERROR_FILE)
 
 
+def _lost_a_peer(failure) -> bool:
+    """Whether the rank's message says it failed because a peer went away."""
+    message = str(getattr(failure, "message", ""))
+    return any(p in message for p in _PEER_GONE)
+
+
 def root_cause(failures: dict) -> tuple[int, object]:
     """The failure that caused the others.
 
@@ -42,13 +48,12 @@ def root_cause(failures: dict) -> tuple[int, object]:
     """
     def key(item):
         rank, failure = item
-        message = str(getattr(failure, "message", ""))
         # A rank that recorded its exception ended by itself, whatever signal came after.
         signalled = failure.exitcode < 0 and not _recorded(failure)
         stopped_by_agent = signalled and failure.exitcode == -signal.SIGTERM
         killed_by_signal = signalled and not stopped_by_agent
         return (stopped_by_agent, not killed_by_signal, failure.timestamp,
-                any(p in message for p in _PEER_GONE), rank)
+                _lost_a_peer(failure), rank)
 
     return min(failures.items(), key=key)
 
@@ -88,7 +93,6 @@ def exit_code(rank: int, failures: dict) -> int:
         return failure.exitcode
     if _recorded(failure):
         for _, peer in sorted(failures.items()):
-            message = str(getattr(peer, "message", ""))
-            if peer.exitcode > 0 and _recorded(peer) and not any(p in message for p in _PEER_GONE):
+            if peer.exitcode > 0 and _recorded(peer) and not _lost_a_peer(peer):
                 return peer.exitcode
     return 1
