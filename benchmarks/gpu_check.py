@@ -22,7 +22,11 @@ the reason:
                   W=1 on NCCL and at W=2 (NCCL on two GPUs; on one, gloo sharing it);
 * exact         - exact mode at V=W and V=8 (W=2, placed as for zero): W ranks end with
                   one process's bits, dropout included; its step time against the
-                  default mode's at W=1 (and W=2 on NCCL).
+                  default mode's at W=1 (and W=2 on NCCL);
+* exact_sum     - exact mode's int32 sum passes on CUDA tensors, compiled by torch.compile
+                  (Triton) against the eager functions, bitwise (awkward terms: signed
+                  zeros, subnormals, inf, NaN, rounding ties; and 8.4M random ones); the
+                  first call's time (the compile) and the steady times of both.
 
 The bitwise runs use torch's deterministic algorithms, and repeat their reference once:
 a difference that the repeated reference shows too is the kernels' (the "why"), not
@@ -87,6 +91,8 @@ ITEMS = (
     Item("main_job_bf16", "ddpkit train --precision bf16 end to end", 90, 180),
     Item("zero", "shard='gradients'/'parameters' vs 'none', bitwise", 50, 120),
     Item("exact", "exact mode: W ranks vs 1 process at V=W and V=8; step time", 60, 150),
+    Item("exact_sum", "exact mode's int32 sum: compiled (Triton) vs eager, bitwise; time", 40,
+         120),
 )
 
 

@@ -32,6 +32,7 @@ from ddpkit.durable import write_atomic
 from ddpkit.jsonfiles import json_safe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_check_exact_sum import exact_sum  # noqa: E402
 from gpu_check_lib import (  # noqa: E402
     CheckFailed,
     Layout,
@@ -247,6 +248,7 @@ ITEMS: dict[str, Callable[[Setup, Report, Callable[[], float]], None]] = {
     "main_job_bf16": main_job_bf16,
     "zero": zero,
     "exact": exact,
+    "exact_sum": exact_sum,
 }
 
 

@@ -21,7 +21,7 @@ import gpu_check  # noqa: E402
 from gpu_check_lib import Layout, Report, difference  # noqa: E402
 
 NAMES = [item.name for item in gpu_check.ITEMS]
-BITWISE_ITEMS = ("ddp_vs_torch", "comm_nccl", "comm_gloo", "zero", "exact")
+BITWISE_ITEMS = ("ddp_vs_torch", "comm_nccl", "comm_gloo", "zero", "exact", "exact_sum")
 
 
 @pytest.mark.unit
