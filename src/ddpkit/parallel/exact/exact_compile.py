@@ -95,8 +95,10 @@ def _run(name: str, out: torch.Tensor, elementwise: Sequence[torch.Tensor],
                         f"eager (the same bits, slower). {COMPILE_ENV}=0 skips the attempt")
     eager = getattr(exact_kernels, name)
     n = out.numel()
-    for a in range(0, n, EAGER_PIECE):
-        b = min(n, a + EAGER_PIECE)
+    # pieces keep a CPU's temporaries in its cache; on a GPU they only multiply launches
+    piece = EAGER_PIECE if out.device.type == "cpu" else max(n, 1)
+    for a in range(0, n, piece):
+        b = min(n, a + piece)
         pieces = () if terms is None else ([t[a:b] for t in terms],)
         eager(out[a:b], *(t[a:b] for t in elementwise), *pieces, *scalars)
 
@@ -106,8 +108,8 @@ def max_exponent(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
 
 
 def encode(out: torch.Tensor, exponents: torch.Tensor, terms: Sequence[torch.Tensor],
-           p: int, special: bool) -> None:
-    _run("encode", out, (exponents,), terms, p, special)
+           grid: torch.Tensor, special: bool) -> None:
+    _run("encode", out, (exponents,), terms, grid, special)
 
 
 def decode(out: torch.Tensor, total: torch.Tensor, exponents: torch.Tensor, p: int,

@@ -66,10 +66,19 @@ def _power_of_two32(exponent: torch.Tensor) -> torch.Tensor:
     return torch.bitwise_left_shift(exponent + _F32_BIAS, _F32_MANTISSA_BITS).view(torch.float32)
 
 
+def grid_base(p: int, device: torch.device | str) -> torch.Tensor:
+    """``P + 126`` as :func:`encode` takes it: an int32 tensor, not a Python int, so that
+    a compiled encode keeps the exponent arithmetic in int32 (a symbolic int made
+    inductor's Triton code widen it to int64, which cannot be reinterpreted as float32),
+    and one compiled loop serves every P."""
+    return torch.tensor(p + _F32_BIAS - 1, dtype=torch.int32, device=device)
+
+
 def encode(out: torch.Tensor, exponents: torch.Tensor, terms: Sequence[torch.Tensor],
-           p: int, special: bool) -> None:
+           grid: torch.Tensor, special: bool) -> None:
     """``out`` (int32) = per element, the sum of the terms' fixed-point integers on the
-    grid ``2^(E - 126 - P)`` of the agreed exponent E (``exponents``, uint8).
+    grid ``2^(E - 126 - P)`` of the agreed exponent E (``exponents``, uint8; ``grid``:
+    :func:`grid_base` of P).
     ``special``: some E is 255 (an inf or NaN term somewhere); without, the loop skips
     the counting of non-finite terms."""
     # int32 exponent arithmetic (widening bytes to int64 costs more than the rest)
@@ -78,7 +87,7 @@ def encode(out: torch.Tensor, exponents: torch.Tensor, terms: Sequence[torch.Ten
     # grid of its 2^-126 bound. 2^k as two float32 factors (one holds at most 2^126);
     # each product is exact: |term| < 2^(E - 126), so |term * 2^k| < 2^P, and below
     # 2^-126 (where float32 would round) only for terms that round to 0 anyway.
-    k = p + _F32_BIAS - 1 - biased
+    k = grid - biased
     first = _power_of_two32(torch.clamp(k, max=_F32_BIAS - 1))
     second = _power_of_two32(torch.clamp(k - (_F32_BIAS - 1), min=0))
     finite = biased != 255
@@ -119,4 +128,5 @@ def decode(out: torch.Tensor, total: torch.Tensor, exponents: torch.Tensor, p: i
     out.copy_(torch.where(biased == 255, inf, mean))
 
 
-__all__ = ["NAN_CODE", "NEG_INF_CODE", "POS_INF_CODE", "decode", "encode", "max_exponent"]
+__all__ = ["NAN_CODE", "NEG_INF_CODE", "POS_INF_CODE", "decode", "encode", "grid_base",
+           "max_exponent"]

@@ -49,7 +49,7 @@ from collections.abc import Sequence
 import torch
 
 from ddpkit.errors import ConfigError
-from ddpkit.parallel.exact import exact_compile
+from ddpkit.parallel.exact import exact_compile, exact_kernels
 from ddpkit.parallel.exact.exact_gather import ExactMeanGather
 from ddpkit.parallel.exact.exact_sum import (
     Allocate,
@@ -128,6 +128,7 @@ class ExactMean32:
             offset += size
         # terms = odd * 2^twos: the power of two is part of the exact scaling, the odd
         # part the one rounding division (a tensor: no reciprocal)
+        self._grid = exact_kernels.grid_base(self.p, device)
         self._twos = (terms & -terms).bit_length() - 1
         odd = terms >> self._twos
         self._odd = None if odd == 1 else torch.tensor(float(odd), dtype=torch.float64,
@@ -181,7 +182,7 @@ class ExactMean32:
             if a == b:
                 continue
             if column:
-                exact_compile.encode(self.total[a:b], self.maxima[a:b], column, self.p,
+                exact_compile.encode(self.total[a:b], self.maxima[a:b], column, self._grid,
                                      self._special(a, b))
             else:
                 self.total[a:b].zero_()
