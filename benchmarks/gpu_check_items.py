@@ -148,6 +148,9 @@ def _comm_times(setup: Setup, device: torch.device) -> dict:
         size = f"{4 * n // 2**20} MiB" if 4 * n >= 2**20 else f"{4 * n // 1024} KiB"
         times[size] = interleaved(
             {"ddpkit.comm.all_reduce": lambda t=t: ddpkit.comm.all_reduce(t),
+             # without the agreement check's all-gather: what the check itself costs
+             "ddpkit.comm.all_reduce check=False":
+                 lambda t=t: ddpkit.comm.all_reduce(t, check=False),
              "torch all_reduce": lambda t=t: dist.all_reduce(t)},
             device, rounds=setup.size(5, 2), repeats=setup.size(10, 2), warmup=2)
     return times
