@@ -315,9 +315,13 @@ class DataParallel(ShardingMethods, JoinMethods, TorchMethods, nn.Module, Joinab
     # -- forward -------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if "torch._dynamo" in sys.modules:  # torch.compile may be tracing this call
+        # Only while torch.compile traces this call does the bookkeeping need to be kept
+        # out of the graph (the wrapper costs microseconds on every eager call); the
+        # module test first: importing torch._dynamo is slow, not for programs that
+        # never compile
+        if "torch._dynamo" in sys.modules and torch.compiler.is_compiling():
             _before_forward_eagerly(self)
-        else:  # importing torch._dynamo is slow: not for programs that never compile
+        else:
             self._before_forward()
         if self._input_device is not None:
             args, kwargs = torch_compat.move_inputs(self._input_device, args, kwargs)
