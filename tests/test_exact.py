@@ -149,7 +149,7 @@ def test_users_loop_with_dropout_ends_with_the_same_bits_at_every_world_size(poo
         assert not _same(pools(2).run(_restoring, _users_loop, False)[0], plain_one)
 
 
-@pytest.mark.parametrize("sum_format", ["int32", "float64", "gather"])
+@pytest.mark.parametrize("sum_format", ["int32", "float64", "gather", "fold"])
 def test_every_transport_sums_to_the_same_bits(pools, sum_format):
     """The exact sum does not depend on how the collectives add or move data, so gloo,
     the ring and shared memory agree (in each format, asked for by name)."""
