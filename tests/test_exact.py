@@ -234,7 +234,7 @@ def _with_sum_format(world, sum_format, fn, *args):
 
 def test_a_run_started_with_another_sum_format_continues_with_it_at_another_world_size(
         pools, tmp_path):
-    """This small model's default is the gather sum; a run whose checkpoint says int32
+    """This small model's default is the fold sum; a run whose checkpoint says int32
     resumes in int32 (the same bits as uninterrupted), not in the default."""
     full = pools(2).run(_restoring, _with_sum_format, "int32", _run_loop,
                         str(tmp_path / "full"))

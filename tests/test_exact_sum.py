@@ -16,6 +16,7 @@ import torch
 
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.exact.exact_gather import fold_levels
 from ddpkit.parallel.exact.exact_sum import fixed_point_bits
 from ddpkit.parallel.exact.exact_sum32 import (
     FORMAT_ENV,
@@ -266,6 +267,17 @@ def test_gather_mean_has_the_same_bits_at_every_world_size(fmt):
     # The order is what makes it so: adding the same rows in rank order instead differs.
     by_rank = torch.cat([terms[r::2] for r in range(2)]).double()
     assert not torch.equal(_bits((by_rank.cumsum(0)[-1] / v).float()), reference)
+
+
+def test_fold_and_gather_are_different_trees():
+    """The two formats add in different orders (so a run keeps the one it began with):
+    on these four terms gather's (0 + 1) + (2 + 3) is exact and rounds up to float32,
+    fold's (0 + 2) + (1 + 3) rounds twice to even in float64 and lands on the tie."""
+    terms = torch.tensor([[1.0], [2.0**-24], [2.0**-53], [2.0**-53]])
+    gather = make_mean("gather", 4, 1, 4).mean(terms, torch.empty(1))
+    fold = make_mean("fold", 4, 1, 4).mean(terms, torch.empty(1))
+    assert gather.item() == 0.25 * (1 + 2.0**-23) and fold.item() == 0.25
+    assert fold_levels(12) == [(12, 6), (6, 3), (3, 2), (2, 1)] and fold_levels(1) == []
 
 
 def test_gather_mean_wants_every_row_in_its_place():
