@@ -315,7 +315,9 @@ class DataParallel(ShardingMethods, JoinMethods, TorchMethods, nn.Module, Joinab
     # -- forward -------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if "torch._dynamo" in sys.modules:  # torch.compile may be tracing this call
+        # torch.compile may be tracing this call (the checks then stay out of its graph);
+        # run eagerly, the plain call (the disabling wrapper costs more than the checks)
+        if "torch._dynamo" in sys.modules and torch.compiler.is_compiling():
             _before_forward_eagerly(self)
         else:  # importing torch._dynamo is slow: not for programs that never compile
             self._before_forward()
@@ -369,7 +371,8 @@ class DataParallel(ShardingMethods, JoinMethods, TorchMethods, nn.Module, Joinab
         makes the next forward skip the broadcast."""
         if self.will_sync_module_buffers():
             self._sync_buffers(src)
-        self.require_forward_param_sync = sync
+        if self.require_forward_param_sync != sync:  # (Module.__setattr__ is slow)
+            self.require_forward_param_sync = sync
 
     def _sync_buffers(self, src: int) -> None:
         # Through the transport: the shared segment under comm="shm" (no backend call in
