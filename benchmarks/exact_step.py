@@ -35,7 +35,7 @@ slice) + ``SGD.step``, each variant with the process-wide settings its mode has
 (exact mode: torch's deterministic algorithms on); reported is the median on rank 0.
 Exact steps are also taken apart (medians per step, rank 0): the sum's phases (local
 max, the MAX all-reduce, encode, the SUM all-reduce, decode; in the gather format the
-all-gather and the adding) and the rest (the slices'
+all-gather and the adding, the fold format's local levels included) and the rest (the slices'
 forward and backward, zero_grad and the SGD step).
 
 The workers run with the heap settings ``ddpkit launch`` and ``ddpkit train`` give
@@ -221,6 +221,7 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
     _instrument()
     _instrument(transport=None, mean=ExactMean32)  # the int32 format's sum
     ExactMeanGather.add = _timed("add", ExactMeanGather.add)  # the gather format's sum
+    ExactMeanGather.fold_local = _timed("add", ExactMeanGather.fold_local)  # fold's, local
     baseline = None
     if opts["baseline_src"]:
         baseline, baseline_sum, baseline_sum32 = _load_baseline(opts["baseline_src"])

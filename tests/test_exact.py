@@ -149,7 +149,7 @@ def test_users_loop_with_dropout_ends_with_the_same_bits_at_every_world_size(poo
         assert not _same(pools(2).run(_restoring, _users_loop, False)[0], plain_one)
 
 
-@pytest.mark.parametrize("sum_format", ["int32", "float64", "gather"])
+@pytest.mark.parametrize("sum_format", ["int32", "float64", "gather", "fold"])
 def test_every_transport_sums_to_the_same_bits(pools, sum_format):
     """The exact sum does not depend on how the collectives add or move data, so gloo,
     the ring and shared memory agree (in each format, asked for by name)."""
@@ -234,7 +234,7 @@ def _with_sum_format(world, sum_format, fn, *args):
 
 def test_a_run_started_with_another_sum_format_continues_with_it_at_another_world_size(
         pools, tmp_path):
-    """This small model's default is the gather sum; a run whose checkpoint says int32
+    """This small model's default is the fold sum; a run whose checkpoint says int32
     resumes in int32 (the same bits as uninterrupted), not in the default."""
     full = pools(2).run(_restoring, _with_sum_format, "int32", _run_loop,
                         str(tmp_path / "full"))

@@ -9,12 +9,14 @@ every grouping of the terms into "ranks" and every order of adding their partial
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
 
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
+from ddpkit.parallel.exact.exact_gather import fold_levels
 from ddpkit.parallel.exact.exact_sum import fixed_point_bits
 from ddpkit.parallel.exact.exact_sum32 import (
     FORMAT_ENV,
@@ -192,11 +194,13 @@ def test_extra_values_ride_along_in_the_max(fmt):
     assert flags.tolist() == [1.0, 1.0, 0.0]
 
 
+@pytest.mark.parametrize("fmt", ["gather", "fold"])
 @pytest.mark.parametrize("v", [1, 2, 3, 12, 100])
-def test_gather_mean_is_within_its_bound_and_never_worse_than_float32(v):
-    """The gather format: float64 additions in slice order, then one division."""
+def test_gather_mean_is_within_its_bound_and_never_worse_than_float32(v, fmt):
+    """The gather and fold formats: float64 additions in a tree over the slices, then one
+    division."""
     terms = _terms(v, 8_000, seed=v)
-    got = make_mean("gather", v, terms.shape[1], v).mean(terms, torch.empty(8_000)).double()
+    got = make_mean(fmt, v, terms.shape[1], v).mean(terms, torch.empty(8_000)).double()
     exact = terms.double().sum(0) / v
     plain = (terms.sum(0) / v).double()
     finite = torch.isfinite(exact)
@@ -214,46 +218,66 @@ def test_gather_mean_is_within_its_bound_and_never_worse_than_float32(v):
         assert torch.equal(_bits(got.float()), _bits(terms[0]))
 
 
-def _gathered_means(terms: torch.Tensor, world: int, extras: list[torch.Tensor] | None = None):
-    """Each of ``world`` ranks' gather mean of ``terms`` (``[V, n]``), rank r holding the
-    slices r, r + W, ... as exact mode lays them out, the all-gather done here."""
+def _gathered_means(terms: torch.Tensor, world: int, extras: list[torch.Tensor] | None = None,
+                    fmt: str = "gather"):
+    """Each of ``world`` ranks' gather (or fold) mean of ``terms`` (``[V, n]``), rank r
+    holding the slices r, r + W, ... as exact mode lays them out: one thread per rank,
+    the all-gather done here (each rank's message, once every rank has given its own)."""
     v, n = terms.shape
     extra = 0 if extras is None else len(extras[0])
-    ranks = [make_mean("gather", v // world, n, v, extra=extra) for _ in range(world)]
-    sent = []
-    for r, mean in enumerate(ranks):
-        mine = terms[list(owned_slices(r, world, v))]
-        mean.rows_view.copy_(mine)
-        tail = [] if extras is None else [extras[r]]
-        sent.append(torch.cat([mine.reshape(-1), *tail]))
+    sent: list[torch.Tensor | None] = [None] * world
+    everyone = threading.Barrier(world)
+    results: list = [None] * world
 
-    def gather(out, inp):
-        out.copy_(torch.cat(sent))
+    def rank(r: int) -> None:
+        mean = make_mean(fmt, v // world, n, v, extra=extra)
+        mean.rows_view.copy_(terms[list(owned_slices(r, world, v))])
 
-    results = []
-    for r, mean in enumerate(ranks):
+        def gather(out, inp):
+            sent[r] = inp.clone()
+            everyone.wait()
+            out.copy_(torch.cat(sent))
+
         flags = None if extras is None else extras[r].clone()
         got = mean.mean(mean.rows_view, torch.empty(n), all_gather=gather, extra_max=flags)
-        results.append((got, flags))
+        results[r] = (got, flags)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
     return results
 
 
-def test_gather_mean_has_the_same_bits_at_every_world_size():
+@pytest.mark.parametrize("fmt", ["gather", "fold"])
+def test_gather_mean_has_the_same_bits_at_every_world_size(fmt):
     """Every rank of every W that divides V ends with the bits one process gets (a
     fixed order of additions, by slice), and the extras hold their maximum."""
     v = 12
     terms = _terms(v, 4_000, seed=5)
     terms[:, 5:9] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1.0])
     terms[3, 8] = float("inf")
-    reference = _bits(make_mean("gather", v, 4_000, v).mean(terms, torch.empty(4_000)))
+    reference = _bits(make_mean(fmt, v, 4_000, v).mean(terms, torch.empty(4_000)))
     for world in (1, 2, 3, 4, 6, 12):
         extras = [torch.tensor([float(r == 1), 0.0]) for r in range(world)]
-        for got, flags in _gathered_means(terms, world, extras):
+        for got, flags in _gathered_means(terms, world, extras, fmt):
             assert torch.equal(_bits(got), reference), world
             assert flags.tolist() == [float(world > 1), 0.0]
     # The order is what makes it so: adding the same rows in rank order instead differs.
     by_rank = torch.cat([terms[r::2] for r in range(2)]).double()
     assert not torch.equal(_bits((by_rank.cumsum(0)[-1] / v).float()), reference)
+
+
+def test_fold_and_gather_are_different_trees():
+    """The two formats add in different orders (so a run keeps the one it began with):
+    on these four terms gather's (0 + 1) + (2 + 3) is exact and rounds up to float32,
+    fold's (0 + 2) + (1 + 3) rounds twice to even in float64 and lands on the tie."""
+    terms = torch.tensor([[1.0], [2.0**-24], [2.0**-53], [2.0**-53]])
+    gather = make_mean("gather", 4, 1, 4).mean(terms, torch.empty(1))
+    fold = make_mean("fold", 4, 1, 4).mean(terms, torch.empty(1))
+    assert gather.item() == 0.25 * (1 + 2.0**-23) and fold.item() == 0.25
+    assert fold_levels(12) == [(12, 6), (6, 3), (3, 2), (2, 1)] and fold_levels(1) == []
 
 
 def test_gather_mean_wants_every_row_in_its_place():
@@ -274,7 +298,7 @@ def test_the_int32_format_serves_up_to_63_slices_and_float64_above(monkeypatch):
     assert choose_format(12, "float64", numel=big) == "float64"
     with pytest.raises(ConfigError, match="at most 63 slices.*DDPKIT_EXACT_SUM=float64"):
         choose_format(64, "int32", numel=big)
-    with pytest.raises(ConfigError, match="one of int32, float64, gather"):
+    with pytest.raises(ConfigError, match="one of int32, float64, gather, fold"):
         choose_format(8, "int16", numel=big)
 
 
@@ -285,15 +309,15 @@ def test_small_models_sum_in_gather_or_float64_by_default_at_every_world_size(po
     alone: an engine at W = 1 and at W = 2 picks the same (the main job's MLP is small,
     the 8.4M benchmark MLP is not); asked for, int32 still serves a small model."""
     monkeypatch.delenv(FORMAT_ENV, raising=False)
-    assert choose_format(8, numel=GATHER_ELEMENTS // 8) == "gather"
+    assert choose_format(8, numel=GATHER_ELEMENTS // 8) == "fold"
     assert choose_format(32, numel=GATHER_ELEMENTS // 32 + 1) == "float64"
-    assert choose_format(64, numel=GATHER_ELEMENTS // 64) == "gather"  # any V
+    assert choose_format(64, numel=GATHER_ELEMENTS // 64) == "fold"  # any V
     assert choose_format(32, numel=SMALL_SUM_ELEMENTS - 1) == "float64"
     assert choose_format(32, numel=SMALL_SUM_ELEMENTS) == "int32"
     assert choose_format(8, "int32", numel=10) == "int32"
     for world in (1, 2):
         picked = pools(world).run(_engine_formats)
-        assert picked == [{"small": "gather", "large": "int32", "small32": "float64"}] * world, \
+        assert picked == [{"small": "fold", "large": "int32", "small32": "float64"}] * world, \
             (world, picked)
 
 

@@ -315,13 +315,11 @@ class DataParallel(ShardingMethods, JoinMethods, TorchMethods, nn.Module, Joinab
     # -- forward -------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # Only while torch.compile traces this call does the bookkeeping need to be kept
-        # out of the graph (the wrapper costs microseconds on every eager call); the
-        # module test first: importing torch._dynamo is slow, not for programs that
-        # never compile
+        # torch.compile may be tracing this call (the checks then stay out of its graph);
+        # run eagerly, the plain call (the disabling wrapper costs more than the checks)
         if "torch._dynamo" in sys.modules and torch.compiler.is_compiling():
             _before_forward_eagerly(self)
-        else:
+        else:  # importing torch._dynamo is slow: not for programs that never compile
             self._before_forward()
         if self._input_device is not None:
             args, kwargs = torch_compat.move_inputs(self._input_device, args, kwargs)
@@ -373,7 +371,8 @@ class DataParallel(ShardingMethods, JoinMethods, TorchMethods, nn.Module, Joinab
         makes the next forward skip the broadcast."""
         if self.will_sync_module_buffers():
             self._sync_buffers(src)
-        self.require_forward_param_sync = sync
+        if self.require_forward_param_sync != sync:  # (Module.__setattr__ is slow)
+            self.require_forward_param_sync = sync
 
     def _sync_buffers(self, src: int) -> None:
         # Through the transport: the shared segment under comm="shm" (no backend call in

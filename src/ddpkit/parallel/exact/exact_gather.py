@@ -1,5 +1,5 @@
-"""The "gather" format of exact mode's sum: every slice's gradient on every rank, added
-in an order fixed by the slice index.
+"""The "gather" and "fold" formats of exact mode's sum: every slice's gradient on every
+rank (or partial sums of them), added in an order fixed by the slice index.
 
 The "int32" and "float64" formats (:mod:`ddpkit.parallel.exact.exact_sum32`,
 :mod:`ddpkit.parallel.exact.exact_sum`) make the sum independent of its grouping by
@@ -34,6 +34,21 @@ receives and adds every row), so exact mode picks this format by default only wh
 V·n is small (:func:`ddpkit.parallel.exact.exact_sum32.choose_format`). Non-finite
 terms come out as float64 addition in that fixed tree makes them (inf, or NaN), the
 same on every rank and world size.
+
+The **"fold"** format (the default where "gather" was, since it came) adds in another
+fixed tree over the slice index, chosen so that a rank can add its own slices before
+the gather: at each level of ``count`` nodes, node ``k`` gets node ``k + ceil(count/2)``
+added (:func:`fold_levels`: the range folded in halves; the same depth, ``L``, so the
+same bound). Rank r owns the slices ``k = r (mod W)``, and while W divides the half,
+both nodes of every pair are the same rank's: those levels run on each rank's own rows
+(V = 8, W = 2: two of three levels; W = 1: all), and the gather moves one float64 node
+per remaining local pair instead of every float32 row (V = 8, W = 2: 8 bytes an element
+per rank instead of 16), and each rank adds only the levels left (here one). Where
+W does not divide the first half (V = 12, W = 4; V = W), nothing is added before the
+gather and the float32 rows travel as in "gather". The tree is a function of V alone,
+so the bits are the same at every W, whichever levels ran before the gather. It is
+another format, not a new order for "gather": a checkpoint records the format, and a
+run that began with "gather" keeps its tree (the same bits as uninterrupted).
 """
 
 from __future__ import annotations
@@ -47,43 +62,85 @@ from ddpkit.parallel.exact.exact_sum import Column, checked_segments, columns_of
 Gather = Callable[[torch.Tensor, torch.Tensor], object]  # (output, input), in place
 
 
+def fold_levels(terms: int) -> list[tuple[int, int]]:
+    """The "fold" format's tree over ``terms`` slices, level by level: ``(count, half)``
+    with ``half = ceil(count / 2)``; at a level node ``k < count - half`` becomes node
+    ``k`` + node ``k + half`` (an odd count's middle node ``half - 1`` is carried), and
+    ``half`` nodes go on to the next level."""
+    levels = []
+    count = terms
+    while count > 1:
+        half = (count + 1) // 2
+        levels.append((count, half))
+        count = half
+    return levels
+
+
+def _fold_(nodes: torch.Tensor, count: int, half: int) -> None:
+    """One level of the fold tree, in place on ``nodes`` (``[>= count, n]``, float64)."""
+    nodes[: count - half].add_(nodes[half:count])
+
+
 class ExactMeanGather:
-    """The "gather" format of :class:`~ddpkit.parallel.exact.exact_sum.ExactMean`: the
-    same constructor and ``mean``, with ``all_gather(output, input)`` (rank order, in
+    """The "gather" and "fold" formats of :class:`~ddpkit.parallel.exact.exact_sum.ExactMean`:
+    the same constructor and ``mean``, with ``all_gather(output, input)`` (rank order, in
     place; None: this process holds every row) in place of the two all-reduces.
 
-    ``rows_view``: the ``[rows, n]`` float32 rows the gather sends; a caller that copies
-    each slice's gradient straight into its row passes ``rows_view`` itself as the
-    slots, and nothing more is copied before the collective. ``rows`` must divide
-    ``terms`` (every rank holds V/W rows)."""
-
-    format = "gather"
+    ``rows_view``: the ``[rows, n]`` float32 rows of this rank's slices; a caller that
+    copies each slice's gradient straight into its row passes ``rows_view`` itself as
+    the slots, and nothing more is copied before the sum. ``rows`` must divide
+    ``terms`` (every rank holds V/W rows). ``fold``: the "fold" format (see the module
+    docstring), else "gather"."""
 
     def __init__(self, rows: int, n: int, terms: int, *, extra: int = 0,
                  device: torch.device | str = "cpu", allocate=None,
-                 segments: Sequence[int] | None = None):
+                 segments: Sequence[int] | None = None, fold: bool = False):
         self.segments = checked_segments(rows, n, terms, segments)
         if rows < 1 or terms % rows:
             raise ValueError(f"the gather sum needs the same row count on every rank: "
                              f"{rows} rows of {terms} terms")
         self.rows, self.n, self.terms, self.extra = rows, n, terms, extra
-        self.world = terms // rows
-        width = rows * n + extra  # one rank's message: its rows, then its extras
-        self._local = torch.zeros(width, dtype=torch.float32, device=device)
-        self.rows_view = self._local[: rows * n].view(rows, n)
-        self._extras_out = self._local[rows * n:]
-        blocks = self._local.view(1, width)
+        self.format = "fold" if fold else "gather"
+        self.world = world = terms // rows
+        self._local_levels: list[tuple[int, int]] = []  # in local nodes
+        self._shared_levels: list[tuple[int, int]] = []  # in global nodes, after the gather
+        nodes = rows  # per rank, sent
+        if fold:
+            levels = fold_levels(terms)
+            # a level is this rank's own while its pairs k, k + half are both its own
+            # (k mod W alike): while W divides half
+            local = next((i for i, (_, half) in enumerate(levels) if half % world),
+                         len(levels))
+            self._local_levels = [(c // world, h // world) for c, h in levels[:local]]
+            self._shared_levels = levels[local:]
+            if local:
+                nodes = levels[local][0] // world if local < len(levels) else 1
+        wide = bool(self._local_levels)  # the message is float64 nodes, not float32 rows
+        dtype = torch.float64 if wide else torch.float32
+        width = nodes * n + extra  # one rank's message: its rows or nodes, then extras
+        self._local = torch.zeros(max(width, rows * n), dtype=dtype, device=device)
+        self._message = self._local[:width]
+        if wide:
+            # the rows apart; folded in place in the message's buffer (exact: float32 in
+            # float64), whose first nodes are sent, the extras after them
+            self.rows_view = torch.zeros(rows, n, dtype=torch.float32, device=device)
+            self._folded = self._local[: rows * n].view(rows, n)
+        else:
+            self.rows_view = self._local[: rows * n].view(rows, n)
+        self._extras_out = self._message[nodes * n:]
+        blocks = self._message.view(1, width)
         self._gathered = None
-        if self.world > 1:
-            self._gathered = torch.empty(self.world * width, dtype=torch.float32,
-                                         device=device)
-            blocks = self._gathered.view(self.world, width)
-        self._extras_in = blocks[:, rows * n:]
-        # global slice k = m W + r is block r's row m: [rows, W, n] in slice order
-        self._in_order = blocks[:, : rows * n].view(self.world, rows, n).transpose(0, 1)
-        self._rows64 = torch.empty(terms, n, dtype=torch.float64, device=device)
-        self._rows64_in = self._rows64.view(rows, self.world, n)
-        self._half = torch.empty((terms + 1) // 2, n, dtype=torch.float64, device=device)
+        if world > 1:
+            self._gathered = torch.empty(world * width, dtype=dtype, device=device)
+            blocks = self._gathered.view(world, width)
+        self._extras_in = blocks[:, nodes * n:]
+        # global node k = m W + r is block r's node m: [nodes, W, n] in global order
+        self._in_order = blocks[:, : nodes * n].view(world, nodes, n).transpose(0, 1)
+        count = nodes * world
+        self._rows64 = torch.empty(count, n, dtype=torch.float64, device=device)
+        self._rows64_in = self._rows64.view(nodes, world, n)
+        self._half = None if fold else torch.empty((count + 1) // 2, n, dtype=torch.float64,
+                                                   device=device)
         # the mean: x / V, one rounding in float64 (exact scaling when V is a power of
         # two), then the cast; the divisor a tensor, so that no kernel (CUDA's) turns a
         # scalar division into a rounded reciprocal's product
@@ -97,21 +154,35 @@ class ExactMeanGather:
         ``extra_max``: ``extra`` values (per-parameter "used" flags) whose maximum over
         the ranks it holds afterwards (they travel in the same gather)."""
         self._fill(slots)
+        if self._local_levels:
+            self.fold_local()
         if self.world > 1:
             if all_gather is None:
                 raise ValueError(f"{self.rows} local rows of {self.terms} terms need "
                                  "all_gather")
             if self.extra:
                 self._extras_out.copy_(extra_max.reshape(-1))
-            all_gather(self._gathered, self._local)
+            all_gather(self._gathered, self._message)
             if self.extra:
                 extra_max.copy_(self._extras_in.amax(0).view_as(extra_max))
         return self.add(out)
 
+    def fold_local(self) -> None:
+        """The fold tree's levels whose pairs are both this rank's, on its own rows."""
+        self._folded.copy_(self.rows_view)  # float32 -> float64: exact
+        for count, half in self._local_levels:
+            _fold_(self._folded, count, half)
+
     def add(self, out: torch.Tensor) -> torch.Tensor:
-        """``out`` = the mean of the gathered rows: in float64, slice order, pairwise."""
+        """``out`` = the mean of the gathered rows (or nodes): in float64, in a fixed tree
+        over the global slice index."""
         rows = self._rows64
         self._rows64_in.copy_(self._in_order)  # float32 -> float64: exact
+        if self.format == "fold":
+            for count, half in self._shared_levels:
+                _fold_(rows, count, half)
+            torch.div(rows[0], self._divisor, out=out.view(-1))  # in float64, then the cast
+            return out.view(-1)
         spare = self._half
         count = self.terms
         # A fixed pairwise tree over the slice index (a function of V alone): rows 2i
@@ -151,4 +222,4 @@ class ExactMeanGather:
             a = b
 
 
-__all__ = ["ExactMeanGather", "Gather"]
+__all__ = ["ExactMeanGather", "Gather", "fold_levels"]

@@ -246,7 +246,7 @@ class ExactReducer:
         if self._mean is None or self._local_slices != local_slices:
             # the gather format adds rows in slice order: every gradient is copied into
             # its slice's row of the buffer the gather sends (one segment, all packed)
-            gather = self.sum_format == "gather"
+            gather = self.sum_format in ("gather", "fold")
             sizes = self._kept.plan(one_segment=gather)
             self._mean = make_mean(self.sum_format, local_slices, self.numel,
                                    self.slice_count,
@@ -359,7 +359,7 @@ class ExactReducer:
         used = (torch.tensor(self._used, dtype=torch.float32, device=self.device)
                 if self.find_unused else None)
         collectives = {}  # none on one process
-        if self.world_size > 1 and self.sum_format == "gather":
+        if self.world_size > 1 and self.sum_format in ("gather", "fold"):
             collectives = {"all_gather": self.transport.gather_}
         elif self.world_size > 1:
             collectives = {"all_reduce_max": self.transport.max_,

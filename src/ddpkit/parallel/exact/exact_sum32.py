@@ -61,7 +61,7 @@ from ddpkit.parallel.exact.exact_sum import (
     empty_buffer,
 )
 
-FORMATS = ("int32", "float64", "gather")
+FORMATS = ("int32", "float64", "gather", "fold")
 FORMAT_ENV = "DDPKIT_EXACT_SUM"
 # The largest V with P = 31 - bit_length(V) >= 25 (see the module docstring).
 INT32_MAX_TERMS = 63
@@ -69,7 +69,7 @@ INT32_MAX_TERMS = 63
 # beat the compiled calls' fixed cost there; benchmarks/exact_sum_small.py measures it).
 SMALL_SUM_ELEMENTS = 1 << 14
 # At most this many elements in V rows of the model (V times its trainable elements):
-# the "gather" format by default (one collective and V float64 additions beat the other
+# the "fold" format by default (one collective and V float64 additions beat the other
 # formats' two collectives and passes there; benchmarks/exact_sum_formats.py measures it).
 GATHER_ELEMENTS = 1 << 18
 
@@ -83,14 +83,14 @@ def int32_bits(terms: int) -> int:
 
 def choose_format(terms: int, requested: str | None = None, *, numel: int) -> str:
     """The sum's format for ``terms`` slices of ``numel`` elements: ``requested`` (else
-    ``$DDPKIT_EXACT_SUM``), else "gather" while ``terms * numel`` is at most
+    ``$DDPKIT_EXACT_SUM``), else "fold" while ``terms * numel`` is at most
     :data:`GATHER_ELEMENTS`, "int32" for up to :data:`INT32_MAX_TERMS` slices of at
     least :data:`SMALL_SUM_ELEMENTS` elements and "float64" otherwise. No world size
     goes in: the same model and V sum the same way, and give the same bits, at any."""
     requested = requested or os.environ.get(FORMAT_ENV, "").strip() or None
     if requested is None:
         if terms * numel <= GATHER_ELEMENTS:
-            return "gather"
+            return "fold"
         small = numel < SMALL_SUM_ELEMENTS
         return "int32" if terms <= INT32_MAX_TERMS and not small else "float64"
     if requested not in FORMATS:
@@ -204,9 +204,9 @@ class ExactMean32:
 
 
 def make_mean(sum_format: str, rows: int, n: int, terms: int, **options):
-    """The exact mean of ``sum_format`` ("int32", "float64" or "gather")."""
-    if sum_format == "gather":
-        return ExactMeanGather(rows, n, terms, **options)
+    """The exact mean of ``sum_format`` ("int32", "float64", "gather" or "fold")."""
+    if sum_format in ("gather", "fold"):
+        return ExactMeanGather(rows, n, terms, fold=sum_format == "fold", **options)
     if sum_format == "int32":
         return ExactMean32(rows, n, terms, **options)
     if sum_format == "float64":
