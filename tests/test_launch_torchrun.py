@@ -138,7 +138,9 @@ def normalise(raw: dict, parent_env: dict[str, str], port: int) -> dict:
 # is also read against torchrun's own parser below, in process).
 CASES = {
     # torchrun's own docs, PyTorch's DDP tutorial, and the spellings people copy from them.
-    "standalone_underscores": ["--standalone", "--nproc_per_node=2", "probe.py", "a", "--b=1"],
+    # (--run-path: torch's multiprocessing starts the ranks, which run the script by runpy)
+    "standalone_run_path_nproc_cpu": ["--standalone", "--run-path", "--nproc-per-node", "cpu",
+                                      "{workdir}/probe.py", "a", "--b=1"],
     "module_role_elastic_range_nproc_auto": ["--nproc_per_node=auto", "--nnodes", "1:1",
                                              "--role", "trainer", "-m", "probe", "x"],
     "c10d_endpoint_id_conf": ["--nnodes=1", "--nproc_per_node=2", "--rdzv_backend=c10d",
@@ -148,7 +150,6 @@ CASES = {
     "static_master_addr_port_no_python": ["--master_addr=127.0.0.1", "--master-port", "{port}",
                                           "--node_rank=0", "--nnodes", "1", "--no_python",
                                           "--nproc-per-node=1", sys.executable, "probe.py", "y"],
-    "run_path_nproc_cpu": ["--run-path", "--nproc-per-node", "cpu", "{workdir}/probe.py", "z"],
     "max_restarts": ["--max_restarts=1", "--nproc-per-node", "2", "--monitor-interval", "0.1",
                      "probe.py"],
 }

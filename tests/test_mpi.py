@@ -58,10 +58,10 @@ def test_world_from_simulated_openmpi_variables():
 
 
 @pytest.mark.slow
-def test_mpirun_train_equals_one_node_run(tmp_path, tmp_path_factory):
+def test_mpirun_train_equals_one_node_run(tmp_path, train_reference):
     if shutil.which("mpirun") is None:
         skip_unless_required("OpenMPI's mpirun is not installed (apt-get install -y openmpi-bin)")
-    want = reference_run(tmp_path_factory)
+    want = reference_run(train_reference)
     out = tmp_path / "runs"
     cmd = ["mpirun", "-n", "2", "--allow-run-as-root", "--oversubscribe",
            "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}",

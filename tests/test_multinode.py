@@ -65,16 +65,14 @@ def final_model(out_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(the_run(out_dir) / "model.pt", map_location="cpu", weights_only=True)
 
 
-def reference_run(tmp_path_factory) -> Path:
-    """`ddpkit train` on 1 node x 2 processes, its --out-dir (run once a session, shared
-    by the multi-node, SLURM and MPI tests, which must all reproduce it bit for bit)."""
-    out = tmp_path_factory.getbasetemp() / "multinode_reference"
-    if not out.exists():
-        proc = subprocess.run([*DDPKIT, "train", "--nproc-per-node", "2", *TRAIN_ARGS,
-                               "--out-dir", str(out)], cwd=ROOT, env=child_env(),
-                              capture_output=True, text=True, timeout=NODE_TIMEOUT_S)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+def reference_run(train_reference) -> Path:
+    """The uninterrupted 1-node, 2-process run of ``ddpkit train`` with TRAIN_ARGS, as an
+    --out-dir holding its one run directory; the multi-node, SLURM and MPI tests, which
+    launch that job their way, must all reproduce it bit for bit. It is trained once a
+    session on 2 pooled ranks (the ``train_reference`` fixture: the worker entry's own
+    options, the same bits without a launcher's start-up), so each of those launches is
+    compared with the Trainer's own result, not with another launch."""
+    return train_reference(2, list(TRAIN_ARGS)).parent
 
 
 def assert_same_training(got_out: Path, want_out: Path) -> None:
@@ -205,8 +203,8 @@ def start_node(host: Host, endpoint: str, run_id: str, out: Path, log: Path) -> 
 # ---------------------------------------------------------------------------- tests
 @pytest.mark.slow
 @pytest.mark.netns
-def test_two_hosts_over_veth_equal_one_host(two_hosts, tmp_path, tmp_path_factory):
-    want = reference_run(tmp_path_factory)
+def test_two_hosts_over_veth_equal_one_host(two_hosts, tmp_path, train_reference):
+    want = reference_run(train_reference)
     host_a, host_b = two_hosts
     # A fresh namespace has no other listener: a fixed port inside it cannot collide.
     endpoint = f"{host_a.addr}:29400"

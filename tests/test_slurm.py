@@ -182,11 +182,11 @@ def test_worker_world_from_slurm_variables(tmp_path, fake_slurm):
 
 @pytest.mark.slow
 def test_preempted_job_is_requeued_and_ends_like_one_uninterrupted_node(
-        tmp_path, tmp_path_factory, fake_slurm):
+        tmp_path, train_reference, fake_slurm):
     """USR1 mid-epoch (SLURM's warning): every rank checkpoints, the job exits 75 and asks
     for a requeue; the requeued job (SLURM_RESTART_COUNT=1) continues in the same run
     directory and ends with an uninterrupted 1-node, 2-process run's epochs, bit for bit."""
-    want = reference_run(tmp_path_factory)
+    want = reference_run(train_reference)
     env_for, log = fake_slurm
     out = tmp_path / "runs"
     script = write(SlurmJob(nodes=2, gpus_per_node=0, tasks_per_node=1,

@@ -307,11 +307,11 @@ def test_usr1_reaches_every_worker_through_the_agents_and_requeues(tmp_path, fak
 
 
 def test_preempted_train_is_requeued_and_ends_like_one_uninterrupted_node(
-        tmp_path, tmp_path_factory, fake_slurm):
+        tmp_path, train_reference, fake_slurm):
     """USR1 mid-epoch: the agents pass it to the workers, which checkpoint and stop; the
     job asks for a requeue; the requeued job resumes its run directory and ends with an
     uninterrupted 1-node, 2-process run's model, bit for bit."""
-    want = reference_run(tmp_path_factory)
+    want = reference_run(train_reference)
     env_for, log = fake_slurm
     out = tmp_path / "runs"
     script = write(SlurmJob(nodes=2, gpus_per_node=0, tasks_per_node=1, launcher="torchrun",
