@@ -76,7 +76,8 @@ from ddpkit.train.models import MLP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ddp_step import make_mlp  # noqa: E402  (the 8.4M-parameter benchmark MLP)
 
-PHASES = ("max", "all_reduce_max", "encode", "all_reduce_sum", "decode", "all_gather", "add")
+PHASES = ("max", "all_reduce_max", "encode", "all_reduce_sum", "decode", "barrier",
+          "all_gather", "add")
 _spent: dict[str, float] = collections.defaultdict(float)  # phase -> seconds, this step
 
 
@@ -110,14 +111,17 @@ def _load_baseline(src: str):
     where = os.path.dirname(package) if old else package
     prefix = "ddpkit.parallel." if old else "ddpkit.parallel.exact."
     modules = {}
-    for name in ("exact_sum", "exact_sum32", "exact_reducer"):
+    own_modules = ("exact_kernels", "exact_compile", "exact_sum", "exact_sum32")
+    for name in (*own_modules, "exact_reducer"):
         path = os.path.join(where, f"{name}.py")
         if not os.path.exists(path):  # a tree from before the int32 format
             continue
         with open(path) as f:
             text = f.read()
-        for own in ("exact_sum", "exact_sum32"):  # that tree's sum, not this one's
+        for own in own_modules:  # that tree's sum and passes, not this one's
             text = text.replace(f"from {prefix}{own} import", f"from baseline_{own} import")
+            text = text.replace(f"from {prefix.rstrip('.')} import {own}\n",
+                                f"import baseline_{own} as {own}\n")
         for was, now in _OLD_HOMES.items() if old else ():
             text = text.replace(was, now)
         spec = importlib.util.spec_from_loader(f"baseline_{name}", loader=None)
@@ -169,6 +173,8 @@ def _instrument(transport=ExactTransport, mean=ExactMean, reducer=None) -> None:
         transport.sum_ = _timed("all_reduce_sum", transport.sum_)
         if hasattr(transport, "gather_"):
             transport.gather_ = _timed("all_gather", transport.gather_)
+        if hasattr(transport, "barrier"):  # the int32 sum reading peers' rows in place
+            transport.barrier = _timed("barrier", transport.barrier)
 
 
 def _plain_slices(per_rank: int):

@@ -80,14 +80,15 @@ def _compiled_pass(name: str) -> Callable:
     return fn
 
 
-def _run(name: str, out: torch.Tensor, elementwise: Sequence[torch.Tensor],
-         terms: Sequence[torch.Tensor] | None, *scalars) -> None:
-    """``exact_kernels.<name>(out, *elementwise, [terms,] *scalars)``, compiled when
-    wanted (whole segment, one call), else eager in pieces."""
-    lists = () if terms is None else (list(terms),)
+def _run(name: str, out: torch.Tensor, elementwise: Sequence[Sequence[torch.Tensor]],
+         *scalars) -> None:
+    """``exact_kernels.<name>(out, *elementwise, *scalars)`` (``elementwise``: lists of
+    tensors as long as ``out``), compiled when wanted (whole segment, one call), else
+    eager in pieces."""
+    lists = [list(rows) for rows in elementwise]
     if compile_wanted():
         try:
-            _compiled_pass(name)(out, *elementwise, *lists, *scalars)
+            _compiled_pass(name)(out, *lists, *scalars)
             return
         except Exception as exc:  # noqa: BLE001  any compile failure: eager from here on
             _failed.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -97,22 +98,21 @@ def _run(name: str, out: torch.Tensor, elementwise: Sequence[torch.Tensor],
     n = out.numel()
     for a in range(0, n, EAGER_PIECE):
         b = min(n, a + EAGER_PIECE)
-        pieces = () if terms is None else ([t[a:b] for t in terms],)
-        eager(out[a:b], *(t[a:b] for t in elementwise), *pieces, *scalars)
+        eager(out[a:b], *([t[a:b] for t in rows] for rows in lists), *scalars)
 
 
 def max_exponent(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
-    _run("max_exponent", out, (), terms)
+    _run("max_exponent", out, (terms,))
 
 
-def encode(out: torch.Tensor, exponents: torch.Tensor, terms: Sequence[torch.Tensor],
+def encode(out: torch.Tensor, exponents: Sequence[torch.Tensor], terms: Sequence[torch.Tensor],
            p: int, special: bool) -> None:
-    _run("encode", out, (exponents,), terms, p, special)
+    _run("encode", out, (exponents, terms), p, special)
 
 
-def decode(out: torch.Tensor, total: torch.Tensor, exponents: torch.Tensor, p: int,
-           twos: int, odd: torch.Tensor | None, special: bool) -> None:
-    _run("decode", out, (total, exponents), None, p, twos, odd, special)
+def decode(out: torch.Tensor, totals: Sequence[torch.Tensor], exponents: Sequence[torch.Tensor],
+           p: int, twos: int, odd: torch.Tensor | None, special: bool) -> None:
+    _run("decode", out, (totals, exponents), p, twos, odd, special)
 
 
 __all__ = ["COMPILE_ENV", "THREADS_ENV", "compile_wanted", "decode", "encode",

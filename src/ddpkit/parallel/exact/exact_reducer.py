@@ -364,6 +364,8 @@ class ExactReducer:
         elif self.world_size > 1:
             collectives = {"all_reduce_max": self.transport.max_,
                            "all_reduce_sum": self.transport.sum_}
+            if self.sum_format == "int32":  # on one host: read the peers' rows in place
+                collectives["shared"] = self.transport
         # Inside backward (this is its end callback): collectives must not capture
         # autograd's Python thread-local state (see ddpkit.lifetime).
         with no_python_tls():

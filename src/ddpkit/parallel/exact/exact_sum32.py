@@ -39,6 +39,10 @@ The passes are :mod:`ddpkit.parallel.exact.exact_kernels`, run compiled or eager
 :mod:`ddpkit.parallel.exact.exact_compile`: one pass over the local terms for the
 exponents (written straight into the buffer the MAX all-reduce reads), one for the
 integers (straight into the SUM all-reduce's buffer), one decode straight into ``out``.
+On one host (shared memory) there are no all-reduces: the buffers lie in the segment
+every rank maps, so the encode reads every rank's exponents and takes their MAX
+itself, and the decode reads every rank's integers and adds them itself (three
+barriers order it), the same maxima and integer sums as the all-reduces give.
 """
 
 from __future__ import annotations
@@ -106,7 +110,8 @@ def choose_format(terms: int, requested: str | None = None, *, numel: int) -> st
 class ExactMean32:
     """The "int32" format of :class:`~ddpkit.parallel.exact.exact_sum.ExactMean`: the
     same constructor, ``mean`` / ``local_max`` / ``encode`` / ``decode`` and buffers
-    (``maxima``: the uint8 exponents, then ``extra`` uint8 values; ``total``: int32)."""
+    (``maxima``: the uint8 exponents, then per segment the largest exponent in it, then
+    ``extra`` uint8 values; ``total``: int32)."""
 
     format = "int32"
 
@@ -118,9 +123,13 @@ class ExactMean32:
         self.p = int32_bits(terms)
         allocate = allocate or empty_buffer
         # Where the collectives read them in place (the host's shared segment): the
-        # passes write their results there, nothing is copied in or out.
-        self.maxima = allocate(n + extra, torch.uint8, device)
+        # passes write their results there, nothing is copied in or out. The segments'
+        # peaks ride in the MAX with the exponents: whether a segment has an inf or NaN
+        # term anywhere is then known without reading its agreed exponents again.
+        self.maxima = allocate(n + extra + len(self.segments), torch.uint8, device)
         self.total = allocate(n, torch.int32, device)
+        self._peaks = self.maxima[n:n + len(self.segments)]
+        self._extras = self.maxima[n + len(self.segments):]
         self._bounds = []
         offset = 0
         for size in self.segments:
@@ -132,6 +141,8 @@ class ExactMean32:
         odd = terms >> self._twos
         self._odd = None if odd == 1 else torch.tensor(float(odd), dtype=torch.float64,
                                                        device=device)
+        self._peers: tuple | None = None  # every rank's (maxima, total), once looked up
+        self._peers_looked_up = False
 
     def _columns(self, slots: torch.Tensor | Sequence[Column]) -> list[list[torch.Tensor]]:
         return [list(column.unbind(0)) if isinstance(column, torch.Tensor) else list(column)
@@ -139,67 +150,112 @@ class ExactMean32:
 
     def mean(self, slots: torch.Tensor | Sequence[Column], out: torch.Tensor, *,
              all_reduce_max: Reduce | None = None, all_reduce_sum: Reduce | None = None,
-             extra_max: torch.Tensor | None = None) -> torch.Tensor:
+             extra_max: torch.Tensor | None = None, shared=None) -> torch.Tensor:
         """``out`` (any float dtype, n elements) = the mean over all terms.
 
         ``extra_max``: ``extra`` small non-negative integers (0..255, e.g. per-parameter
         "used" flags) carried in the same MAX all-reduce; they hold the reduced values
-        afterwards."""
+        afterwards. ``shared``: where the buffers lie in a segment every rank maps (an
+        :class:`~ddpkit.parallel.exact.exact_transport.ExactTransport` on one host),
+        the passes read the other ranks' exponents and integers there themselves, in
+        place of the two all-reduces (the same maxima and integer sums: the same bits)."""
         columns = self._columns(slots)
         self._local_max(columns)
         if self.extra:
-            self.maxima[self.n:].copy_(extra_max.reshape(-1))
+            self._extras.copy_(extra_max.reshape(-1))
+        peers = self._peer_rows(shared)
+        if peers is not None:
+            return self._mean_in_place(columns, out, peers, shared, extra_max)
         if all_reduce_max is not None:
             all_reduce_max(self.maxima)
         if self.extra:
-            extra_max.copy_(self.maxima[self.n:].view_as(extra_max))
-        self._encode(columns)
+            extra_max.copy_(self._extras.view_as(extra_max))
+        special = self._special(self._peaks)
+        self._encode(columns, [self.maxima], special)
         if all_reduce_sum is not None:
             all_reduce_sum(self.total)
-        return self.decode(out)
+        return self._decode(out, [self.total], [self.maxima], any(special))
+
+    def _peer_rows(self, shared) -> tuple | None:
+        """Every rank's ``maxima`` and ``total`` where ``shared`` has them in place
+        (looked up once: a collective); None otherwise."""
+        if shared is None or self.maxima.device.type != "cpu":
+            return None
+        if not self._peers_looked_up:
+            views = shared.peer_views([self.maxima, self.total])
+            self._peers = None if views is None else (views[0], views[1])
+            self._peers_looked_up = True
+        return self._peers
+
+    def _mean_in_place(self, columns, out: torch.Tensor, peers: tuple, shared,
+                       extra_max: torch.Tensor | None) -> torch.Tensor:
+        """The sum with every rank's buffers read where they lie: the encode takes the
+        MAX of the ranks' exponents itself, the decode the SUM of their integers."""
+        maxima, totals = peers
+        shared.barrier()  # every rank's exponents (and extras, peaks) are written
+        tails = torch.stack([row[self.n:] for row in maxima]).amax(0)
+        peaks = len(self.segments)
+        if self.extra:
+            extra_max.copy_(tails[peaks:].view_as(extra_max))
+        special = self._special(tails[:peaks])
+        self._encode(columns, maxima, special)
+        shared.barrier()  # every rank's integers are written
+        self._decode(out, totals, maxima, any(special))
+        shared.barrier()  # no rank writes its buffers again before every rank read them
+        return out.view(-1)
 
     def local_max(self, slots: torch.Tensor | Sequence[Column]) -> torch.Tensor:
         """``maxima[i]`` = the largest biased exponent of the local terms of element i."""
         return self._local_max(self._columns(slots))
 
     def _local_max(self, columns: list[list[torch.Tensor]]) -> torch.Tensor:
-        for (a, b), column in zip(self._bounds, columns, strict=True):
+        for j, ((a, b), column) in enumerate(zip(self._bounds, columns, strict=True)):
             if a == b:
+                self._peaks[j] = 0
                 continue
             if column:
                 exact_compile.max_exponent(self.maxima[a:b], column)
+                torch.amax(self.maxima[a:b], 0, keepdim=True, out=self._peaks[j:j + 1])
             else:  # no local term: exponent 0 is below every other
                 self.maxima[a:b].zero_()
+                self._peaks[j] = 0
         return self.maxima[: self.n]
 
     def encode(self, slots: torch.Tensor | Sequence[Column]) -> torch.Tensor:
-        """``total[i] = sum_k round(slots[k, i] * 2^k_i)`` in int32, exactly."""
-        return self._encode(self._columns(slots))
+        """``total[i] = sum_k round(slots[k, i] * 2^k_i)`` in int32, exactly (``maxima``
+        holding the agreed exponents and peaks)."""
+        return self._encode(self._columns(slots), [self.maxima], self._special(self._peaks))
 
-    def _encode(self, columns: list[list[torch.Tensor]]) -> torch.Tensor:
-        for (a, b), column in zip(self._bounds, columns, strict=True):
+    def _encode(self, columns: list[list[torch.Tensor]], maxima: Sequence[torch.Tensor],
+                special: list[bool]) -> torch.Tensor:
+        for (a, b), column, odd in zip(self._bounds, columns, special, strict=True):
             if a == b:
                 continue
             if column:
-                exact_compile.encode(self.total[a:b], self.maxima[a:b], column, self.p,
-                                     self._special(a, b))
+                exact_compile.encode(self.total[a:b], [row[a:b] for row in maxima], column,
+                                     self.p, odd)
             else:
                 self.total[a:b].zero_()
         return self.total
 
     def decode(self, out: torch.Tensor) -> torch.Tensor:
         """``out[i] = total[i] * 2^-k_i / terms``: exact scaling, one float64 rounding
-        division, the cast to ``out``'s dtype."""
+        division, the cast to ``out``'s dtype (``maxima`` and ``total`` agreed)."""
+        return self._decode(out, [self.total], [self.maxima], any(self._special(self._peaks)))
+
+    def _decode(self, out: torch.Tensor, totals: Sequence[torch.Tensor],
+                maxima: Sequence[torch.Tensor], special: bool) -> torch.Tensor:
         out = out.view(-1)
         if self.n:
-            exact_compile.decode(out, self.total, self.maxima[: self.n], self.p,
-                                 self._twos, self._odd, self._special(0, self.n))
+            exact_compile.decode(out, totals, [row[: self.n] for row in maxima], self.p,
+                                 self._twos, self._odd, special)
         return out
 
-    def _special(self, a: int, b: int) -> bool:
-        """Whether an element in [a, b) has an inf or NaN term (exponent 255): only then
-        do the passes count non-finite terms (one byte per element read to know)."""
-        return int(self.maxima[a:b].max()) == 255
+    @staticmethod
+    def _special(peaks: torch.Tensor) -> list[bool]:
+        """Per segment, whether an element has an inf or NaN term (exponent 255): only
+        then do the passes count non-finite terms."""
+        return [peak == 255 for peak in peaks.tolist()]
 
 
 def make_mean(sum_format: str, rows: int, n: int, terms: int, **options):
