@@ -82,34 +82,43 @@ class _Segment:
 
     def __init__(self, ranks: int):
         self.means: list = [None] * ranks
+        self.outs: list | None = None  # every rank's result buffer, if in the segment
         self._barrier = threading.Barrier(ranks, timeout=60)
 
     def peer_views(self, tensors):
-        return [[m.maxima for m in self.means], [m.total for m in self.means]]
+        views = [[m.maxima for m in self.means], [m.total for m in self.means]]
+        if len(tensors) == 2:
+            return views
+        return None if self.outs is None else [*views, self.outs]
 
     def barrier(self):
         self._barrier.wait()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize(("compiled", "outs_shared"), [(False, False), (False, True),
+                                                       (True, True)])
 def test_reading_the_peers_rows_in_place_gives_the_bits_of_the_all_reduces(monkeypatch,
-                                                                          compiled):
+                                                                          compiled,
+                                                                          outs_shared):
     """On one host the int32 sum reads every rank's exponents and integers where they
-    lie instead of all-reducing them: the same bits (awkward terms, 3 ranks as threads,
-    a rank without a term in a segment, the extras' MAX)."""
+    lie instead of all-reducing them, and (with every rank's result buffer there too)
+    each rank decodes its share of the elements into all of them: the same bits
+    (awkward terms, 3 ranks as threads, a rank without a term in a segment, the
+    extras' MAX)."""
     terms = _awkward_terms(4, 300)
     groups = [[0, 2], [1], [3]]
     n, segments = terms.shape[1], [200, 100]
     shared = _Segment(len(groups))
     shared.means = [make_mean("int32", 2, n, 4, segments=segments, extra=2) for _ in groups]
-    results, used = [None] * len(groups), [torch.tensor([0.0, float(r == 1)]) for r in range(3)]
+    used = [torch.tensor([0.0, float(r == 1)]) for r in range(3)]
+    results = [torch.full((n,), 7.0) for _ in groups]
+    shared.outs = results if outs_shared else None
 
     def rank(r):
         columns = [list(terms[groups[r], :200]), list(terms[groups[r], 200:])]
         if r == 2:  # no term in its second segment: as if zeros
             columns[1] = []
-        results[r] = shared.means[r].mean(columns, torch.empty(n), extra_max=used[r],
-                                          shared=shared).clone()
+        shared.means[r].mean(columns, results[r], extra_max=used[r], shared=shared)
 
     monkeypatch.setenv(exact_compile.COMPILE_ENV, "1" if compiled else "0")
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(groups))]

@@ -80,12 +80,15 @@ def _compiled_pass(name: str) -> Callable:
     return fn
 
 
-def _run(name: str, out: torch.Tensor, elementwise: Sequence[Sequence[torch.Tensor]],
-         *scalars) -> None:
-    """``exact_kernels.<name>(out, *elementwise, *scalars)`` (``elementwise``: lists of
-    tensors as long as ``out``), compiled when wanted (whole segment, one call), else
-    eager in pieces."""
+def _run(name: str, out: torch.Tensor | Sequence[torch.Tensor],
+         elementwise: Sequence[Sequence[torch.Tensor]], *scalars) -> None:
+    """``exact_kernels.<name>(out, *elementwise, *scalars)`` (``out``: a tensor or a list
+    of them; ``elementwise``: lists of tensors as long as ``out``), compiled when wanted
+    (whole segment, one call), else eager in pieces."""
     lists = [list(rows) for rows in elementwise]
+    several = not isinstance(out, torch.Tensor)
+    if several:
+        out = list(out)
     if compile_wanted():
         try:
             _compiled_pass(name)(out, *lists, *scalars)
@@ -95,10 +98,11 @@ def _run(name: str, out: torch.Tensor, elementwise: Sequence[Sequence[torch.Tens
             log.warning(f"exact mode: compiling the sum failed ({_failed[0]}); it runs "
                         f"eager (the same bits, slower). {COMPILE_ENV}=0 skips the attempt")
     eager = getattr(exact_kernels, name)
-    n = out.numel()
+    n = (out[0] if several else out).numel()
     for a in range(0, n, EAGER_PIECE):
         b = min(n, a + EAGER_PIECE)
-        eager(out[a:b], *([t[a:b] for t in rows] for rows in lists), *scalars)
+        piece = [o[a:b] for o in out] if several else out[a:b]
+        eager(piece, *([t[a:b] for t in rows] for rows in lists), *scalars)
 
 
 def max_exponent(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
@@ -110,9 +114,10 @@ def encode(out: torch.Tensor, exponents: Sequence[torch.Tensor], terms: Sequence
     _run("encode", out, (exponents, terms), p, special)
 
 
-def decode(out: torch.Tensor, totals: Sequence[torch.Tensor], exponents: Sequence[torch.Tensor],
-           p: int, twos: int, odd: torch.Tensor | None, special: bool) -> None:
-    _run("decode", out, (totals, exponents), p, twos, odd, special)
+def decode(outs: Sequence[torch.Tensor], totals: Sequence[torch.Tensor],
+           exponents: Sequence[torch.Tensor], p: int, twos: int, odd: torch.Tensor | None,
+           special: bool) -> None:
+    _run("decode", outs, (totals, exponents), p, twos, odd, special)
 
 
 __all__ = ["COMPILE_ENV", "THREADS_ENV", "compile_wanted", "decode", "encode",

@@ -12,7 +12,7 @@ gradients of that segment, float32, 1-D, equal length):
   element whose E is 255 instead counts its +inf, -inf and NaN terms (``1``, ``64``,
   ``4096`` each) so that its result is what float summation gives (NaN for a NaN or
   for infinities of both signs);
-* :func:`decode` - ``out[i]`` = ``total[i] * 2^(E_i - P - 126) / terms_count``, with
+* :func:`decode` - ``outs[r][i]`` = ``total[i] * 2^(E_i - P - 126) / terms_count``, with
   ``total`` the sum of ``totals[r]`` over r (int32: exact, in any order) and ``E`` as
   above: the power-of-two part exact in float64, one rounding division by the odd
   part, then the cast to ``out``'s dtype.
@@ -109,10 +109,11 @@ def encode(out: torch.Tensor, exponents: Sequence[torch.Tensor],
     out.copy_(total)
 
 
-def decode(out: torch.Tensor, totals: Sequence[torch.Tensor],
+def decode(outs: Sequence[torch.Tensor], totals: Sequence[torch.Tensor],
            exponents: Sequence[torch.Tensor], p: int, twos: int, odd: torch.Tensor | None,
            special: bool) -> None:
-    """``out`` = per element ``total * 2^(E - P - 126) / (odd * 2^twos)`` (``total``: the
+    """Each of ``outs`` = per element ``total * 2^(E - P - 126) / (odd * 2^twos)``
+    (written to several: every rank's copy of the mean, in shared memory; ``total``: the
     sum of the int32 rows ``totals``, which stays inside int32 whatever adds it, E: as
     in :func:`encode`; the count of terms is ``odd * 2^twos``; ``odd`` a float64 scalar
     tensor, None for 1); with ``special``, an element whose exponent is 255 gets +inf,
@@ -126,14 +127,17 @@ def decode(out: torch.Tensor, totals: Sequence[torch.Tensor],
     if odd is not None:
         mean = mean / odd  # the one rounding (then the cast's)
     if not special:
-        out.copy_(mean)
+        for out in outs:
+            out.copy_(mean)
         return
     positive = torch.bitwise_and(total, (1 << _CODE_BITS) - 1) > 0
     negative = torch.bitwise_and(torch.bitwise_right_shift(total, _CODE_BITS),
                                  (1 << _CODE_BITS) - 1) > 0
     nan = (torch.bitwise_right_shift(total, 2 * _CODE_BITS) > 0) | (positive & negative)
     inf = torch.where(nan, float("nan"), torch.where(positive, float("inf"), float("-inf")))
-    out.copy_(torch.where(biased == 255, inf, mean))
+    mean = torch.where(biased == 255, inf, mean)
+    for out in outs:
+        out.copy_(mean)
 
 
 __all__ = ["NAN_CODE", "NEG_INF_CODE", "POS_INF_CODE", "decode", "encode", "max_exponent"]

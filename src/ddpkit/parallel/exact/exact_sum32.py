@@ -141,8 +141,8 @@ class ExactMean32:
         odd = terms >> self._twos
         self._odd = None if odd == 1 else torch.tensor(float(odd), dtype=torch.float64,
                                                        device=device)
-        self._peers: tuple | None = None  # every rank's (maxima, total), once looked up
-        self._peers_looked_up = False
+        # every rank's (maxima, total[, out]) and this rank's place, per ``out`` looked up
+        self._peers: dict[int, tuple | None] = {}
 
     def _columns(self, slots: torch.Tensor | Sequence[Column]) -> list[list[torch.Tensor]]:
         return [list(column.unbind(0)) if isinstance(column, torch.Tensor) else list(column)
@@ -163,7 +163,7 @@ class ExactMean32:
         self._local_max(columns)
         if self.extra:
             self._extras.copy_(extra_max.reshape(-1))
-        peers = self._peer_rows(shared)
+        peers = self._peer_rows(shared, out)
         if peers is not None:
             return self._mean_in_place(columns, out, peers, shared, extra_max)
         if all_reduce_max is not None:
@@ -174,24 +174,31 @@ class ExactMean32:
         self._encode(columns, [self.maxima], special)
         if all_reduce_sum is not None:
             all_reduce_sum(self.total)
-        return self._decode(out, [self.total], [self.maxima], any(special))
+        return self._decode([out.view(-1)], [self.total], [self.maxima], any(special))
 
-    def _peer_rows(self, shared) -> tuple | None:
-        """Every rank's ``maxima`` and ``total`` where ``shared`` has them in place
-        (looked up once: a collective); None otherwise."""
+    def _peer_rows(self, shared, out: torch.Tensor) -> tuple | None:
+        """Every rank's ``maxima``, ``total`` and ``out`` (None where ``out`` is not in
+        the segment) and this rank's index, where ``shared`` has them in place; None
+        otherwise. Looked up once per ``out`` (collectives: every rank together)."""
         if shared is None or self.maxima.device.type != "cpu":
             return None
-        if not self._peers_looked_up:
-            views = shared.peer_views([self.maxima, self.total])
-            self._peers = None if views is None else (views[0], views[1])
-            self._peers_looked_up = True
-        return self._peers
+        key = out.data_ptr()
+        if key not in self._peers:
+            views = shared.peer_views([self.maxima, self.total, out.view(-1)])
+            if views is None:
+                views = shared.peer_views([self.maxima, self.total])
+            found = None
+            if views is not None:
+                mine = [row.data_ptr() for row in views[1]].index(self.total.data_ptr())
+                found = (views[0], views[1], views[2] if len(views) > 2 else None, mine)
+            self._peers[key] = found
+        return self._peers[key]
 
     def _mean_in_place(self, columns, out: torch.Tensor, peers: tuple, shared,
                        extra_max: torch.Tensor | None) -> torch.Tensor:
         """The sum with every rank's buffers read where they lie: the encode takes the
         MAX of the ranks' exponents itself, the decode the SUM of their integers."""
-        maxima, totals = peers
+        maxima, totals, outs, mine = peers
         shared.barrier()  # every rank's exponents (and extras, peaks) are written
         tails = torch.stack([row[self.n:] for row in maxima]).amax(0)
         peaks = len(self.segments)
@@ -200,7 +207,12 @@ class ExactMean32:
         special = self._special(tails[:peaks])
         self._encode(columns, maxima, special)
         shared.barrier()  # every rank's integers are written
-        self._decode(out, totals, maxima, any(special))
+        if outs is None:
+            self._decode([out.view(-1)], totals, maxima, any(special))
+        else:  # each rank decodes its share of the elements into every rank's out
+            share = -(-self.n // (len(outs) * 16)) * 16  # whole cache lines of float32
+            lo, hi = min(self.n, mine * share), min(self.n, (mine + 1) * share)
+            self._decode(outs, totals, maxima, any(special), lo, hi)
         shared.barrier()  # no rank writes its buffers again before every rank read them
         return out.view(-1)
 
@@ -241,15 +253,19 @@ class ExactMean32:
     def decode(self, out: torch.Tensor) -> torch.Tensor:
         """``out[i] = total[i] * 2^-k_i / terms``: exact scaling, one float64 rounding
         division, the cast to ``out``'s dtype (``maxima`` and ``total`` agreed)."""
-        return self._decode(out, [self.total], [self.maxima], any(self._special(self._peaks)))
+        return self._decode([out.view(-1)], [self.total], [self.maxima],
+                            any(self._special(self._peaks)))
 
-    def _decode(self, out: torch.Tensor, totals: Sequence[torch.Tensor],
-                maxima: Sequence[torch.Tensor], special: bool) -> torch.Tensor:
-        out = out.view(-1)
-        if self.n:
-            exact_compile.decode(out, totals, [row[: self.n] for row in maxima], self.p,
-                                 self._twos, self._odd, special)
-        return out
+    def _decode(self, outs: Sequence[torch.Tensor], totals: Sequence[torch.Tensor],
+                maxima: Sequence[torch.Tensor], special: bool, lo: int = 0,
+                hi: int | None = None) -> torch.Tensor:
+        """Elements ``lo:hi`` (all by default) of each of ``outs``; the first out."""
+        hi = self.n if hi is None else hi
+        if lo < hi:
+            exact_compile.decode([o[lo:hi] for o in outs], [t[lo:hi] for t in totals],
+                                 [row[lo:hi] for row in maxima], self.p, self._twos,
+                                 self._odd, special)
+        return outs[0]
 
     @staticmethod
     def _special(peaks: torch.Tensor) -> list[bool]:

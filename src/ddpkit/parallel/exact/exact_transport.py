@@ -9,8 +9,11 @@ bits; ``comm=`` only chooses where they run, as it does for the default engine
 
 * ``"shm"`` (what ``"auto"`` means for CPU ranks that share a host): the default
   engine's shared-memory transport, with the two reduced buffers allocated in its
-  segment so nothing is copied in or out; where the segment cannot be set up, ``"auto"``
-  falls back to the backend on every rank with one warning, as the default engine does;
+  segment so nothing is copied in or out; the int32 sum there reads every rank's
+  buffers in place (:meth:`ExactTransport.peer_views`, ordered by
+  :meth:`ExactTransport.barrier`) instead of all-reducing them; where the segment
+  cannot be set up, ``"auto"`` falls back to the backend on every rank with one
+  warning, as the default engine does;
 * ``"backend"``, ``"ring"``: :func:`ddpkit.comm.all_reduce` (and ``all_gather``) with
   that algorithm.
 
