@@ -64,6 +64,14 @@ def max_exponent(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
     out.copy_(agreed)
 
 
+def max_exponents(outs: Sequence[torch.Tensor],
+                  columns: Sequence[Sequence[torch.Tensor]]) -> None:
+    """:func:`max_exponent` for several segments in one call (``outs[j]`` from
+    ``columns[j]``)."""
+    for out, terms in zip(outs, columns, strict=True):
+        max_exponent(out, terms)
+
+
 def _agreed(exponents: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per element, the largest of the rows' biased exponents (uint8 rows), as int32."""
     agreed = exponents[0]
@@ -109,6 +117,14 @@ def encode(out: torch.Tensor, exponents: Sequence[torch.Tensor],
     out.copy_(total)
 
 
+def encodes(outs: Sequence[torch.Tensor], exponents: Sequence[Sequence[torch.Tensor]],
+            columns: Sequence[Sequence[torch.Tensor]], p: int, special: bool) -> None:
+    """:func:`encode` for several segments in one call (``outs[j]`` from ``columns[j]``
+    on the exponent rows ``exponents[j]``)."""
+    for out, rows, terms in zip(outs, exponents, columns, strict=True):
+        encode(out, rows, terms, p, special)
+
+
 def decode(outs: Sequence[torch.Tensor], totals: Sequence[torch.Tensor],
            exponents: Sequence[torch.Tensor], p: int, twos: int, odd: torch.Tensor | None,
            special: bool) -> None:
@@ -140,4 +156,5 @@ def decode(outs: Sequence[torch.Tensor], totals: Sequence[torch.Tensor],
         out.copy_(mean)
 
 
-__all__ = ["NAN_CODE", "NEG_INF_CODE", "POS_INF_CODE", "decode", "encode", "max_exponent"]
+__all__ = ["NAN_CODE", "NEG_INF_CODE", "POS_INF_CODE", "decode", "encode", "encodes",
+           "max_exponent", "max_exponents"]

@@ -110,8 +110,8 @@ def choose_format(terms: int, requested: str | None = None, *, numel: int) -> st
 class ExactMean32:
     """The "int32" format of :class:`~ddpkit.parallel.exact.exact_sum.ExactMean`: the
     same constructor, ``mean`` / ``local_max`` / ``encode`` / ``decode`` and buffers
-    (``maxima``: the uint8 exponents, then per segment the largest exponent in it, then
-    ``extra`` uint8 values; ``total``: int32)."""
+    (``maxima``: the uint8 exponents, then the largest of them, then ``extra`` uint8
+    values; ``total``: int32)."""
 
     format = "int32"
 
@@ -123,13 +123,13 @@ class ExactMean32:
         self.p = int32_bits(terms)
         allocate = allocate or empty_buffer
         # Where the collectives read them in place (the host's shared segment): the
-        # passes write their results there, nothing is copied in or out. The segments'
-        # peaks ride in the MAX with the exponents: whether a segment has an inf or NaN
-        # term anywhere is then known without reading its agreed exponents again.
-        self.maxima = allocate(n + extra + len(self.segments), torch.uint8, device)
+        # passes write their results there, nothing is copied in or out. The largest
+        # exponent rides in the MAX with the exponents: whether an element has an inf or
+        # NaN term anywhere is then known without reading the agreed exponents again.
+        self.maxima = allocate(n + 1 + extra, torch.uint8, device)
         self.total = allocate(n, torch.int32, device)
-        self._peaks = self.maxima[n:n + len(self.segments)]
-        self._extras = self.maxima[n + len(self.segments):]
+        self._peak = self.maxima[n:n + 1]
+        self._extras = self.maxima[n + 1:]
         self._bounds = []
         offset = 0
         for size in self.segments:
@@ -170,11 +170,11 @@ class ExactMean32:
             all_reduce_max(self.maxima)
         if self.extra:
             extra_max.copy_(self._extras.view_as(extra_max))
-        special = self._special(self._peaks)
+        special = self._special(self._peak)
         self._encode(columns, [self.maxima], special)
         if all_reduce_sum is not None:
             all_reduce_sum(self.total)
-        return self._decode([out.view(-1)], [self.total], [self.maxima], any(special))
+        return self._decode([out.view(-1)], [self.total], [self.maxima], special)
 
     def _peer_rows(self, shared, out: torch.Tensor) -> tuple | None:
         """Every rank's ``maxima``, ``total`` and ``out`` (None where ``out`` is not in
@@ -201,18 +201,17 @@ class ExactMean32:
         maxima, totals, outs, mine = peers
         shared.barrier()  # every rank's exponents (and extras, peaks) are written
         tails = torch.stack([row[self.n:] for row in maxima]).amax(0)
-        peaks = len(self.segments)
         if self.extra:
-            extra_max.copy_(tails[peaks:].view_as(extra_max))
-        special = self._special(tails[:peaks])
+            extra_max.copy_(tails[1:].view_as(extra_max))
+        special = self._special(tails[:1])
         self._encode(columns, maxima, special)
         shared.barrier()  # every rank's integers are written
         if outs is None:
-            self._decode([out.view(-1)], totals, maxima, any(special))
+            self._decode([out.view(-1)], totals, maxima, special)
         else:  # each rank decodes its share of the elements into every rank's out
             share = -(-self.n // (len(outs) * 16)) * 16  # whole cache lines of float32
             lo, hi = min(self.n, mine * share), min(self.n, (mine + 1) * share)
-            self._decode(outs, totals, maxima, any(special), lo, hi)
+            self._decode(outs, totals, maxima, special, lo, hi)
         shared.barrier()  # no rank writes its buffers again before every rank read them
         return out.view(-1)
 
@@ -221,40 +220,44 @@ class ExactMean32:
         return self._local_max(self._columns(slots))
 
     def _local_max(self, columns: list[list[torch.Tensor]]) -> torch.Tensor:
-        for j, ((a, b), column) in enumerate(zip(self._bounds, columns, strict=True)):
-            if a == b:
-                self._peaks[j] = 0
-                continue
-            if column:
-                exact_compile.max_exponent(self.maxima[a:b], column)
-                torch.amax(self.maxima[a:b], 0, keepdim=True, out=self._peaks[j:j + 1])
+        outs, terms = [], []
+        for (a, b), column in zip(self._bounds, columns, strict=True):
+            if a < b and column:
+                outs.append(self.maxima[a:b])
+                terms.append(column)
             else:  # no local term: exponent 0 is below every other
                 self.maxima[a:b].zero_()
-                self._peaks[j] = 0
+        if outs:  # one call for every segment (a compiled call has a fixed cost)
+            exact_compile.max_exponents(outs, terms)
+        # (not in that call: inductor would read the terms again for the reduction)
+        if self.n:
+            torch.amax(self.maxima[: self.n], 0, keepdim=True, out=self._peak)
         return self.maxima[: self.n]
 
     def encode(self, slots: torch.Tensor | Sequence[Column]) -> torch.Tensor:
         """``total[i] = sum_k round(slots[k, i] * 2^k_i)`` in int32, exactly (``maxima``
         holding the agreed exponents and peaks)."""
-        return self._encode(self._columns(slots), [self.maxima], self._special(self._peaks))
+        return self._encode(self._columns(slots), [self.maxima], self._special(self._peak))
 
     def _encode(self, columns: list[list[torch.Tensor]], maxima: Sequence[torch.Tensor],
-                special: list[bool]) -> torch.Tensor:
-        for (a, b), column, odd in zip(self._bounds, columns, special, strict=True):
-            if a == b:
-                continue
-            if column:
-                exact_compile.encode(self.total[a:b], [row[a:b] for row in maxima], column,
-                                     self.p, odd)
+                special: bool) -> torch.Tensor:
+        outs, rows, terms = [], [], []
+        for (a, b), column in zip(self._bounds, columns, strict=True):
+            if a < b and column:
+                outs.append(self.total[a:b])
+                rows.append([row[a:b] for row in maxima])
+                terms.append(column)
             else:
                 self.total[a:b].zero_()
+        if outs:  # one call for every segment
+            exact_compile.encodes(outs, rows, terms, self.p, special)
         return self.total
 
     def decode(self, out: torch.Tensor) -> torch.Tensor:
         """``out[i] = total[i] * 2^-k_i / terms``: exact scaling, one float64 rounding
         division, the cast to ``out``'s dtype (``maxima`` and ``total`` agreed)."""
         return self._decode([out.view(-1)], [self.total], [self.maxima],
-                            any(self._special(self._peaks)))
+                            self._special(self._peak))
 
     def _decode(self, outs: Sequence[torch.Tensor], totals: Sequence[torch.Tensor],
                 maxima: Sequence[torch.Tensor], special: bool, lo: int = 0,
@@ -268,10 +271,10 @@ class ExactMean32:
         return outs[0]
 
     @staticmethod
-    def _special(peaks: torch.Tensor) -> list[bool]:
-        """Per segment, whether an element has an inf or NaN term (exponent 255): only
-        then do the passes count non-finite terms."""
-        return [peak == 255 for peak in peaks.tolist()]
+    def _special(peak: torch.Tensor) -> bool:
+        """Whether an element has an inf or NaN term (exponent 255; ``peak``: the largest
+        exponent): only then do the passes count non-finite terms (the same bits)."""
+        return int(peak) == 255
 
 
 def make_mean(sum_format: str, rows: int, n: int, terms: int, **options):
