@@ -76,7 +76,8 @@ from ddpkit.train.models import MLP
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ddp_step import make_mlp  # noqa: E402  (the 8.4M-parameter benchmark MLP)
 
-PHASES = ("max", "all_reduce_max", "encode", "all_reduce_sum", "decode", "all_gather", "add")
+PHASES = ("max", "all_reduce_max", "encode", "all_reduce_sum", "decode", "barrier",
+          "all_gather", "add")
 _spent: dict[str, float] = collections.defaultdict(float)  # phase -> seconds, this step
 
 
@@ -110,14 +111,17 @@ def _load_baseline(src: str):
     where = os.path.dirname(package) if old else package
     prefix = "ddpkit.parallel." if old else "ddpkit.parallel.exact."
     modules = {}
-    for name in ("exact_sum", "exact_sum32", "exact_reducer"):
+    own_modules = ("exact_kernels", "exact_compile", "exact_sum", "exact_sum32")
+    for name in (*own_modules, "exact_reducer"):
         path = os.path.join(where, f"{name}.py")
         if not os.path.exists(path):  # a tree from before the int32 format
             continue
         with open(path) as f:
             text = f.read()
-        for own in ("exact_sum", "exact_sum32"):  # that tree's sum, not this one's
+        for own in own_modules:  # that tree's sum and passes, not this one's
             text = text.replace(f"from {prefix}{own} import", f"from baseline_{own} import")
+            text = text.replace(f"from {prefix.rstrip('.')} import {own}\n",
+                                f"import baseline_{own} as {own}\n")
         for was, now in _OLD_HOMES.items() if old else ():
             text = text.replace(was, now)
         spec = importlib.util.spec_from_loader(f"baseline_{name}", loader=None)
@@ -155,7 +159,8 @@ def _instrument(transport=ExactTransport, mean=ExactMean, reducer=None) -> None:
     mean_encode = "_encode" if hasattr(mean, "_encode") else "encode"
     setattr(mean, mean_max, _timed("max", getattr(mean, mean_max)))
     setattr(mean, mean_encode, _timed("encode", getattr(mean, mean_encode)))
-    mean.decode = _timed("decode", mean.decode)
+    mean_decode = "_decode" if hasattr(mean, "_decode") else "decode"
+    setattr(mean, mean_decode, _timed("decode", getattr(mean, mean_decode)))
     if reducer is not None:
         collective = reducer._collective
 
@@ -169,6 +174,8 @@ def _instrument(transport=ExactTransport, mean=ExactMean, reducer=None) -> None:
         transport.sum_ = _timed("all_reduce_sum", transport.sum_)
         if hasattr(transport, "gather_"):
             transport.gather_ = _timed("all_gather", transport.gather_)
+        if hasattr(transport, "barrier"):  # the int32 sum reading peers' rows in place
+            transport.barrier = _timed("barrier", transport.barrier)
 
 
 def _plain_slices(per_rank: int):
@@ -265,6 +272,7 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
                 "model": model, "slice_loop": slice_loop,
                 "opt": torch.optim.SGD(model.parameters(), lr=0.01),
                 "slices": slices, "width": width, "batch": batch, "times": [],
+                "first": [], "later": [],
                 "step_env": SUM_VARIANTS.get(variant[variant.rfind("_"):], ({}, {}))[1],
                 "phases": collections.defaultdict(list)}
     keys = list(runs)
@@ -279,7 +287,11 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
         for key in random.Random(round_index).sample(keys, len(keys)):
             r = runs[key]
             x, y = data[key]
-            steps = opts["steps"] + (opts["warmup"] if round_index == 0 else 0)
+            # untimed steps first: the warmup in the first round, then ``settle`` steps
+            # each round (the variant's first step after another variant's, whose
+            # memory traffic, tens of MB on the 8.4M MLP, left the caches cold)
+            untimed = opts["warmup"] if round_index == 0 else opts["settle"]
+            steps = opts["steps"] + untimed
             # Process-wide settings as each mode has them: exact mode turns on torch's
             # deterministic algorithms (building an exact engine did it for everyone).
             torch.use_deterministic_algorithms(r["slices"] is not None, warn_only=True)
@@ -297,7 +309,9 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
                         F.cross_entropy(model(xs), ys).backward()
                 r["opt"].step()
                 elapsed = time.perf_counter() - start
-                if round_index > 0 or i >= opts["warmup"]:
+                if round_index > 0 and i >= untimed:  # first timed step of a block, or later
+                    r["first" if i == untimed else "later"].append(elapsed)
+                if i >= untimed:
                     r["times"].append(elapsed)
                     if r["slices"] is not None:
                         for phase in PHASES:
@@ -309,10 +323,15 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
     for (model_name, batch, variant), r in runs.items():
         params = [p.detach() for p in getattr(r["model"], "module", r["model"]).parameters()]
         out[f"{model_name}|{batch}|{variant}"] = {
-            "slices": r["slices"], "times": r["times"],
+            "slices": r["slices"], "times": r["times"], "first": r["first"],
+            "later": r["later"],
             "phases": {k: list(v) for k, v in r["phases"].items()},
             "checksum": float(sum(p.double().sum() for p in params))}
     return out
+
+
+def _median_ms(times: list[float]) -> float | None:
+    return round(statistics.median(times) * 1e3, 3) if times else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -326,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--settle", type=int, default=0,
+                   help="untimed steps at the start of each variant's block in later rounds")
     p.add_argument("--json", default=os.path.join("benchmarks", "results", "exact_step.json"))
     p.add_argument("--sum-variants", action="store_true",
                    help="also the int32 sum always compiled, always eager, and the float64 sum")
@@ -337,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     opts = {"main_batch": args.main_batch,
             "mlp_batches": [int(b) for b in args.mlp_batches.split(",") if b],
             "slices": args.slices, "rounds": args.rounds, "steps": args.steps,
-            "warmup": args.warmup, "sum_variants": args.sum_variants, "floor": args.floor,
+            "warmup": args.warmup, "settle": args.settle,
+            "sum_variants": args.sum_variants, "floor": args.floor,
             "baseline_src": os.path.abspath(args.baseline_src) if args.baseline_src else None}
     print(f"exact_step: {args.world_size} ranks gloo, 1 thread/rank, cases "
           f"{_cases(opts)}", file=sys.stderr)
@@ -368,8 +390,17 @@ def main(argv: list[str] | None = None) -> int:
                      "slices": r["slices"], "median_ms": round(ms, 3),
                      "vs_default": round(ratio, 3), "replicas_equal": same,
                      "phases_ms": {k: round(v, 3) for k, v in phases.items()},
-                     "samples": len(r["times"])})
+                     "samples": len(r["times"]),
+                     "quartiles_ms": [round(q * 1e3, 3) for q in
+                                      statistics.quantiles(r["times"], n=4)[::2]],
+                     # rounds after the first: each block's first timed step against the
+                     # later ones (what another variant's steps in between cost it)
+                     "first_in_block_ms": _median_ms(r["first"]),
+                     "later_in_block_ms": _median_ms(r["later"])})
         parts = "  ".join(f"{k} {v:.2f}" for k, v in phases.items())
+        if rows[-1]["later_in_block_ms"] is not None:
+            parts = (f"[block first {rows[-1]['first_in_block_ms']:.2f}, later "
+                     f"{rows[-1]['later_in_block_ms']:.2f}]  " + parts)
         print(f"{model_name:7}{batch:>7}{variant:>15}{r['slices'] or '-':>4}{ms:11.2f}"
               f"{ratio:11.3f}{same!s:>13}   {parts}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "

@@ -160,6 +160,16 @@ def test_every_transport_sums_to_the_same_bits(pools, sum_format):
         assert _same(again, auto), comm
 
 
+@pytest.mark.parametrize("world", [3, 4])
+def test_int32_sum_read_in_place_by_more_ranks_ends_with_one_process_bits(pools, world):
+    """On one host the int32 sum reads every rank's exponents and integers in the shared
+    segment and each rank decodes a share into every rank's gradients: W = 3 and 4
+    end with W = 1's bits (W = 2 against gloo and the ring: the test above)."""
+    (one,) = pools(1).run(_restoring, _with_sum_format, "int32", _users_loop, True, 3)
+    for r in pools(world).run(_restoring, _with_sum_format, "int32", _users_loop, True, 3):
+        assert _same(r, one)
+
+
 def test_stopped_at_two_ranks_and_continued_on_one_ends_with_the_same_bits(pools, tmp_path):
     """(Stopped at 2 and continued at 3 by `ddpkit train`: tests/test_exact_cli.py.)"""
     uninterrupted = pools(2).run(_restoring, _trainer_params, DROPOUT, str(tmp_path / "full"))

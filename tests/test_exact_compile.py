@@ -10,6 +10,7 @@ one warning.
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -73,6 +74,64 @@ def test_compiled_and_eager_sums_have_the_same_bits(monkeypatch, v):
     assert torch.isinf(result[3]) and torch.isnan(result[4]) and torch.isnan(result[5])
     rounded = torch.tensor((1.0 + 2 * _step(v)) / v, dtype=torch.float32)
     assert result[7] == rounded and result[8] == rounded
+
+
+class _Segment:
+    """What exact mode's transport offers on one host, for ranks that are threads:
+    every rank's buffers readable in place, and a barrier."""
+
+    def __init__(self, ranks: int):
+        self.means: list = [None] * ranks
+        self.outs: list | None = None  # every rank's result buffer, if in the segment
+        self._barrier = threading.Barrier(ranks, timeout=60)
+
+    def peer_views(self, tensors):
+        views = [[m.maxima for m in self.means], [m.total for m in self.means]]
+        if len(tensors) == 2:
+            return views
+        return None if self.outs is None else [*views, self.outs]
+
+    def barrier(self):
+        self._barrier.wait()
+
+
+@pytest.mark.parametrize(("compiled", "outs_shared"), [(False, False), (False, True),
+                                                       (True, True)])
+def test_reading_the_peers_rows_in_place_gives_the_bits_of_the_all_reduces(monkeypatch,
+                                                                          compiled,
+                                                                          outs_shared):
+    """On one host the int32 sum reads every rank's exponents and integers where they
+    lie instead of all-reducing them, and (with every rank's result buffer there too)
+    each rank decodes its share of the elements into all of them: the same bits
+    (awkward terms, 3 ranks as threads, a rank without a term in a segment, the
+    extras' MAX)."""
+    terms = _awkward_terms(4, 300)
+    groups = [[0, 2], [1], [3]]
+    n, segments = terms.shape[1], [200, 100]
+    shared = _Segment(len(groups))
+    shared.means = [make_mean("int32", 2, n, 4, segments=segments, extra=2) for _ in groups]
+    used = [torch.tensor([0.0, float(r == 1)]) for r in range(3)]
+    results = [torch.full((n,), 7.0) for _ in groups]
+    shared.outs = results if outs_shared else None
+
+    def rank(r):
+        columns = [list(terms[groups[r], :200]), list(terms[groups[r], 200:])]
+        if r == 2:  # no term in its second segment: as if zeros
+            columns[1] = []
+        shared.means[r].mean(columns, results[r], extra_max=used[r], shared=shared)
+
+    monkeypatch.setenv(exact_compile.COMPILE_ENV, "1" if compiled else "0")
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    without = terms.clone()
+    without[3, 200:] = 0.0
+    reference = _run(monkeypatch, compiled, without, groups)[2]
+    for r, result in enumerate(results):
+        assert torch.equal(result.view(torch.int32), reference), r
+        assert used[r].tolist() == [0.0, 1.0]
 
 
 def test_a_failing_compile_falls_back_to_eager_with_one_warning(monkeypatch, caplog):

@@ -236,6 +236,21 @@ class ShmCommunicator(ShmCollectives):
         self._allocated += 1
         return mine[: numel * itemsize].view(dtype)
 
+    def peer_views(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every local rank's counterpart of ``tensor`` (a contiguous piece of an
+        :meth:`allocate` result): the same bytes of each rank's region, in local rank
+        order, to be read directly (ordered by :meth:`barrier`); None when ``tensor`` is
+        not in an allocation, or the group spans hosts. Not collective."""
+        if self.nhosts > 1 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        flat = tensor.view(-1)
+        where = self._find(flat)
+        if where is None:
+            return None
+        number, offset = where
+        nbytes = flat.numel() * flat.element_size()
+        return [r[offset:offset + nbytes].view(tensor.dtype) for r in self._regions(number)]
+
     def close(self) -> None:
         """Release this rank's mappings (memory stays until tensors from allocate() go)."""
         if self._closed:

@@ -80,42 +80,66 @@ def _compiled_pass(name: str) -> Callable:
     return fn
 
 
-def _run(name: str, out: torch.Tensor, elementwise: Sequence[torch.Tensor],
-         terms: Sequence[torch.Tensor] | None, *scalars) -> None:
-    """``exact_kernels.<name>(out, *elementwise, [terms,] *scalars)``, compiled when
-    wanted (whole segment, one call), else eager in pieces."""
-    lists = () if terms is None else (list(terms),)
-    if compile_wanted():
-        try:
-            _compiled_pass(name)(out, *elementwise, *lists, *scalars)
-            return
-        except Exception as exc:  # noqa: BLE001  any compile failure: eager from here on
-            _failed.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-            log.warning(f"exact mode: compiling the sum failed ({_failed[0]}); it runs "
-                        f"eager (the same bits, slower). {COMPILE_ENV}=0 skips the attempt")
+def _compiled_call(name: str, *args) -> bool:
+    """``exact_kernels.<name>(*args)`` compiled, when wanted; whether it ran."""
+    if not compile_wanted():
+        return False
+    try:
+        _compiled_pass(name)(*args)
+        return True
+    except Exception as exc:  # noqa: BLE001  any compile failure: eager from here on
+        _failed.append(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        log.warning(f"exact mode: compiling the sum failed ({_failed[0]}); it runs "
+                    f"eager (the same bits, slower). {COMPILE_ENV}=0 skips the attempt")
+        return False
+
+
+def _eager(name: str, out: torch.Tensor | list[torch.Tensor],
+           elementwise: Sequence[Sequence[torch.Tensor]], *scalars) -> None:
+    """``exact_kernels.<name>(out, *elementwise, *scalars)`` eager, in cache-sized pieces
+    (``out``: a tensor or a list of them; ``elementwise``: lists of tensors as long)."""
+    several = isinstance(out, list)
     eager = getattr(exact_kernels, name)
-    n = out.numel()
+    first = out[0] if several else out
+    n = first.numel()
     # pieces keep a CPU's temporaries in its cache; on a GPU they only multiply launches
-    piece = EAGER_PIECE if out.device.type == "cpu" else max(n, 1)
-    for a in range(0, n, piece):
-        b = min(n, a + piece)
-        pieces = () if terms is None else ([t[a:b] for t in terms],)
-        eager(out[a:b], *(t[a:b] for t in elementwise), *pieces, *scalars)
+    size = EAGER_PIECE if first.device.type == "cpu" else max(n, 1)
+    for a in range(0, n, size):
+        b = min(n, a + size)
+        piece = [o[a:b] for o in out] if several else out[a:b]
+        eager(piece, *([t[a:b] for t in rows] for rows in elementwise), *scalars)
 
 
-def max_exponent(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
-    _run("max_exponent", out, (), terms)
+def max_exponents(outs: Sequence[torch.Tensor],
+                  columns: Sequence[Sequence[torch.Tensor]]) -> None:
+    """Per segment j: ``outs[j]`` = the largest exponents over ``columns[j]`` (one
+    compiled call for all segments)."""
+    columns = [list(terms) for terms in columns]
+    if not _compiled_call("max_exponents", list(outs), columns):
+        for out, terms in zip(outs, columns, strict=True):
+            _eager("max_exponent", out, (terms,))
 
 
-def encode(out: torch.Tensor, exponents: torch.Tensor, terms: Sequence[torch.Tensor],
-           grid: torch.Tensor, special: bool) -> None:
-    _run("encode", out, (exponents,), terms, grid, special)
+def encodes(outs: Sequence[torch.Tensor], exponents: Sequence[Sequence[torch.Tensor]],
+            columns: Sequence[Sequence[torch.Tensor]], grid: torch.Tensor,
+            special: bool) -> None:
+    """Per segment j: ``outs[j]`` = the integers of ``columns[j]`` on the grid of the
+    largest of the exponent rows ``exponents[j]`` (one compiled call for all)."""
+    exponents = [list(rows) for rows in exponents]
+    columns = [list(terms) for terms in columns]
+    if _compiled_call("encodes", list(outs), exponents, columns, grid, special):
+        return
+    for out, rows, terms in zip(outs, exponents, columns, strict=True):
+        _eager("encode", out, (rows, terms), grid, special)
 
 
-def decode(out: torch.Tensor, total: torch.Tensor, exponents: torch.Tensor, p: int,
-           twos: int, odd: torch.Tensor | None, special: bool) -> None:
-    _run("decode", out, (total, exponents), None, p, twos, odd, special)
+def decode(outs: Sequence[torch.Tensor], totals: Sequence[torch.Tensor],
+           exponents: Sequence[torch.Tensor], p: int, twos: int, odd: torch.Tensor | None,
+           special: bool) -> None:
+    outs, totals, exponents = list(outs), list(totals), list(exponents)
+    if not _compiled_call("decode", outs, totals, exponents, p, twos, odd, special):
+        _eager("decode", outs, (totals, exponents), p, twos, odd, special)
 
 
-__all__ = ["COMPILE_ENV", "THREADS_ENV", "compile_wanted", "decode", "encode",
-           "max_exponent", "sum_threads"]
+__all__ = ["COMPILE_ENV", "THREADS_ENV", "compile_wanted", "decode", "encodes",
+           "max_exponents", "sum_threads"]

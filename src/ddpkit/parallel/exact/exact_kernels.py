@@ -7,12 +7,15 @@ gradients of that segment, float32, 1-D, equal length):
   ``terms[k][i]`` over k. E is monotone in ``|x|``, so the MAX of exponents is the
   exponent of the MAX; inf and NaN have E = 255, the largest;
 * :func:`encode` - ``out[i]`` (int32) = ``sum_k round(terms[k][i] * 2^(P + 126 - E_i))``
-  for an agreed ``E_i``; an element whose E is 255 instead counts its +inf, -inf and
-  NaN terms (``1``, ``64``, ``4096`` each) so that its result is what float
-  summation gives (NaN for a NaN or for infinities of both signs);
-* :func:`decode` - ``out[i]`` = ``total[i] * 2^(E_i - P - 126) / terms_count``: the
-  power-of-two part exact in float64, one rounding division by the odd part, then the
-  cast to ``out``'s dtype.
+  for the agreed ``E_i``: the largest of ``exponents[r][i]`` over r (one row agreed
+  already, or each rank's row read where it lies, in the host's shared segment); an
+  element whose E is 255 instead counts its +inf, -inf and NaN terms (``1``, ``64``,
+  ``4096`` each) so that its result is what float summation gives (NaN for a NaN or
+  for infinities of both signs);
+* :func:`decode` - ``outs[r][i]`` = ``total[i] * 2^(E_i - P - 126) / terms_count``, with
+  ``total`` the sum of ``totals[r]`` over r (int32: exact, in any order) and ``E`` as
+  above: the power-of-two part exact in float64, one rounding division by the odd
+  part, then the cast to ``out``'s dtype.
 
 Every operation is exact except the last division and cast, and each is a function of
 its element alone, so these give the same bits eagerly, compiled (inductor: one fused
@@ -61,6 +64,23 @@ def max_exponent(out: torch.Tensor, terms: Sequence[torch.Tensor]) -> None:
     out.copy_(agreed)
 
 
+def max_exponents(outs: Sequence[torch.Tensor],
+                  columns: Sequence[Sequence[torch.Tensor]]) -> None:
+    """:func:`max_exponent` for several segments in one call (``outs[j]`` from
+    ``columns[j]``)."""
+    for out, terms in zip(outs, columns, strict=True):
+        max_exponent(out, terms)
+
+
+def _agreed(exponents: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per element, the largest of the rows' biased exponents (uint8 rows), as int32."""
+    agreed = exponents[0]
+    for row in exponents[1:]:
+        agreed = torch.maximum(agreed, row)
+    # int32 exponent arithmetic (widening bytes to int64 costs more than the rest)
+    return agreed.to(torch.int32)
+
+
 def _power_of_two32(exponent: torch.Tensor) -> torch.Tensor:
     """2^exponent as float32, exactly, built from its bits (exponent int32, -126..127)."""
     return torch.bitwise_left_shift(exponent + _F32_BIAS, _F32_MANTISSA_BITS).view(torch.float32)
@@ -69,20 +89,18 @@ def _power_of_two32(exponent: torch.Tensor) -> torch.Tensor:
 def grid_base(p: int, device: torch.device | str) -> torch.Tensor:
     """``P + 126`` as :func:`encode` takes it: an int32 tensor, not a Python int, so that
     a compiled encode keeps the exponent arithmetic in int32 (a symbolic int made
-    inductor's Triton code widen it to int64, which cannot be reinterpreted as float32),
-    and one compiled loop serves every P."""
+    inductor's Triton code widen it to int64, which cannot be reinterpreted as float32:
+    the compile failed on CUDA), and one compiled loop serves every P."""
     return torch.tensor(p + _F32_BIAS - 1, dtype=torch.int32, device=device)
 
 
-def encode(out: torch.Tensor, exponents: torch.Tensor, terms: Sequence[torch.Tensor],
-           grid: torch.Tensor, special: bool) -> None:
+def encode(out: torch.Tensor, exponents: Sequence[torch.Tensor],
+           terms: Sequence[torch.Tensor], grid: torch.Tensor, special: bool) -> None:
     """``out`` (int32) = per element, the sum of the terms' fixed-point integers on the
-    grid ``2^(E - 126 - P)`` of the agreed exponent E (``exponents``, uint8; ``grid``:
-    :func:`grid_base` of P).
-    ``special``: some E is 255 (an inf or NaN term somewhere); without, the loop skips
-    the counting of non-finite terms."""
-    # int32 exponent arithmetic (widening bytes to int64 costs more than the rest)
-    biased = exponents.to(torch.int32)
+    grid ``2^(E - 126 - P)`` of the agreed exponent E (the largest of ``exponents``'
+    uint8 rows; ``grid``: :func:`grid_base` of P). ``special``: some E is 255 (an inf
+    or NaN term somewhere); without, the loop skips the counting of non-finite terms."""
+    biased = _agreed(exponents)
     # k = P + 126 - E <= P + 126: a zero or subnormal maximum (E = 0) still gets the
     # grid of its 2^-126 bound. 2^k as two float32 factors (one holds at most 2^126);
     # each product is exact: |term| < 2^(E - 126), so |term * 2^k| < 2^P, and below
@@ -107,26 +125,45 @@ def encode(out: torch.Tensor, exponents: torch.Tensor, terms: Sequence[torch.Ten
     out.copy_(total)
 
 
-def decode(out: torch.Tensor, total: torch.Tensor, exponents: torch.Tensor, p: int,
-           twos: int, odd: torch.Tensor | None, special: bool) -> None:
-    """``out`` = per element ``total * 2^(E - P - 126) / (odd * 2^twos)`` (the count of
-    terms is ``odd * 2^twos``; ``odd`` a float64 scalar tensor, None for 1); with
-    ``special``, an element whose exponent is 255 gets +inf, -inf or NaN from its codes."""
-    biased = exponents.to(torch.int32)
+def encodes(outs: Sequence[torch.Tensor], exponents: Sequence[Sequence[torch.Tensor]],
+            columns: Sequence[Sequence[torch.Tensor]], grid: torch.Tensor,
+            special: bool) -> None:
+    """:func:`encode` for several segments in one call (``outs[j]`` from ``columns[j]``
+    on the exponent rows ``exponents[j]``)."""
+    for out, rows, terms in zip(outs, exponents, columns, strict=True):
+        encode(out, rows, terms, grid, special)
+
+
+def decode(outs: Sequence[torch.Tensor], totals: Sequence[torch.Tensor],
+           exponents: Sequence[torch.Tensor], p: int, twos: int, odd: torch.Tensor | None,
+           special: bool) -> None:
+    """Each of ``outs`` = per element ``total * 2^(E - P - 126) / (odd * 2^twos)``
+    (written to several: every rank's copy of the mean, in shared memory; ``total``: the
+    sum of the int32 rows ``totals``, which stays inside int32 whatever adds it, E: as
+    in :func:`encode`; the count of terms is ``odd * 2^twos``; ``odd`` a float64 scalar
+    tensor, None for 1); with ``special``, an element whose exponent is 255 gets +inf,
+    -inf or NaN from its codes."""
+    total = totals[0]
+    for row in totals[1:]:
+        total = total + row
+    biased = _agreed(exponents)
     scale = _power_of_two64((biased - (p + _F32_BIAS - 1 + twos)).to(torch.int64))
     mean = total.to(torch.float64) * scale
     if odd is not None:
         mean = mean / odd  # the one rounding (then the cast's)
     if not special:
-        out.copy_(mean)
+        for out in outs:
+            out.copy_(mean)
         return
     positive = torch.bitwise_and(total, (1 << _CODE_BITS) - 1) > 0
     negative = torch.bitwise_and(torch.bitwise_right_shift(total, _CODE_BITS),
                                  (1 << _CODE_BITS) - 1) > 0
     nan = (torch.bitwise_right_shift(total, 2 * _CODE_BITS) > 0) | (positive & negative)
     inf = torch.where(nan, float("nan"), torch.where(positive, float("inf"), float("-inf")))
-    out.copy_(torch.where(biased == 255, inf, mean))
+    mean = torch.where(biased == 255, inf, mean)
+    for out in outs:
+        out.copy_(mean)
 
 
-__all__ = ["NAN_CODE", "NEG_INF_CODE", "POS_INF_CODE", "decode", "encode", "grid_base",
-           "max_exponent"]
+__all__ = ["NAN_CODE", "NEG_INF_CODE", "POS_INF_CODE", "decode", "encode", "encodes",
+           "grid_base", "max_exponent", "max_exponents"]

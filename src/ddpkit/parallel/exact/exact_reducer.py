@@ -128,7 +128,9 @@ class ExactReducer:
         self._buffers = list(module.named_buffers())
         self._kept = KeptGradients(self.params, self.device)  # the step's terms
         self._local_slices = 0
-        self._result = torch.empty(total, dtype=torch.float32, device=self.device)
+        # in the shared segment on one host: the int32 sum's ranks each decode a share
+        # of the mean into every rank's copy
+        self._result = transport.allocate(total, torch.float32, self.device)
         self._grad_views: list[torch.Tensor] | None = None  # per parameter, of _result
         self._mean: Any = None  # ExactMean32, ExactMean or ExactMeanGather, by the format
         self._local: int | None = None  # the local slice being run, inside slices()
@@ -364,6 +366,8 @@ class ExactReducer:
         elif self.world_size > 1:
             collectives = {"all_reduce_max": self.transport.max_,
                            "all_reduce_sum": self.transport.sum_}
+            if self.sum_format == "int32":  # on one host: read the peers' rows in place
+                collectives["shared"] = self.transport
         # Inside backward (this is its end callback): collectives must not capture
         # autograd's Python thread-local state (see ddpkit.lifetime).
         with no_python_tls():

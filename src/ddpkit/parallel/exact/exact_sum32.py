@@ -39,6 +39,10 @@ The passes are :mod:`ddpkit.parallel.exact.exact_kernels`, run compiled or eager
 :mod:`ddpkit.parallel.exact.exact_compile`: one pass over the local terms for the
 exponents (written straight into the buffer the MAX all-reduce reads), one for the
 integers (straight into the SUM all-reduce's buffer), one decode straight into ``out``.
+On one host (shared memory) there are no all-reduces: the buffers lie in the segment
+every rank maps, so the encode reads every rank's exponents and takes their MAX
+itself, and the decode reads every rank's integers and adds them itself (three
+barriers order it), the same maxima and integer sums as the all-reduces give.
 """
 
 from __future__ import annotations
@@ -106,7 +110,8 @@ def choose_format(terms: int, requested: str | None = None, *, numel: int) -> st
 class ExactMean32:
     """The "int32" format of :class:`~ddpkit.parallel.exact.exact_sum.ExactMean`: the
     same constructor, ``mean`` / ``local_max`` / ``encode`` / ``decode`` and buffers
-    (``maxima``: the uint8 exponents, then ``extra`` uint8 values; ``total``: int32)."""
+    (``maxima``: the uint8 exponents, then the largest of them, then ``extra`` uint8
+    values; ``total``: int32)."""
 
     format = "int32"
 
@@ -118,9 +123,13 @@ class ExactMean32:
         self.p = int32_bits(terms)
         allocate = allocate or empty_buffer
         # Where the collectives read them in place (the host's shared segment): the
-        # passes write their results there, nothing is copied in or out.
-        self.maxima = allocate(n + extra, torch.uint8, device)
+        # passes write their results there, nothing is copied in or out. The largest
+        # exponent rides in the MAX with the exponents: whether an element has an inf or
+        # NaN term anywhere is then known without reading the agreed exponents again.
+        self.maxima = allocate(n + 1 + extra, torch.uint8, device)
         self.total = allocate(n, torch.int32, device)
+        self._peak = self.maxima[n:n + 1]
+        self._extras = self.maxima[n + 1:]
         self._bounds = []
         offset = 0
         for size in self.segments:
@@ -133,6 +142,8 @@ class ExactMean32:
         odd = terms >> self._twos
         self._odd = None if odd == 1 else torch.tensor(float(odd), dtype=torch.float64,
                                                        device=device)
+        # every rank's (maxima, total[, out]) and this rank's place, per ``out`` looked up
+        self._peers: dict[int, tuple | None] = {}
 
     def _columns(self, slots: torch.Tensor | Sequence[Column]) -> list[list[torch.Tensor]]:
         return [list(column.unbind(0)) if isinstance(column, torch.Tensor) else list(column)
@@ -140,67 +151,131 @@ class ExactMean32:
 
     def mean(self, slots: torch.Tensor | Sequence[Column], out: torch.Tensor, *,
              all_reduce_max: Reduce | None = None, all_reduce_sum: Reduce | None = None,
-             extra_max: torch.Tensor | None = None) -> torch.Tensor:
+             extra_max: torch.Tensor | None = None, shared=None) -> torch.Tensor:
         """``out`` (any float dtype, n elements) = the mean over all terms.
 
         ``extra_max``: ``extra`` small non-negative integers (0..255, e.g. per-parameter
         "used" flags) carried in the same MAX all-reduce; they hold the reduced values
-        afterwards."""
+        afterwards. ``shared``: where the buffers lie in a segment every rank maps (an
+        :class:`~ddpkit.parallel.exact.exact_transport.ExactTransport` on one host),
+        the passes read the other ranks' exponents and integers there themselves, in
+        place of the two all-reduces (the same maxima and integer sums: the same bits)."""
         columns = self._columns(slots)
         self._local_max(columns)
         if self.extra:
-            self.maxima[self.n:].copy_(extra_max.reshape(-1))
+            self._extras.copy_(extra_max.reshape(-1))
+        peers = self._peer_rows(shared, out)
+        if peers is not None:
+            return self._mean_in_place(columns, out, peers, shared, extra_max)
         if all_reduce_max is not None:
             all_reduce_max(self.maxima)
         if self.extra:
-            extra_max.copy_(self.maxima[self.n:].view_as(extra_max))
-        self._encode(columns)
+            extra_max.copy_(self._extras.view_as(extra_max))
+        special = self._special(self._peak)
+        self._encode(columns, [self.maxima], special)
         if all_reduce_sum is not None:
             all_reduce_sum(self.total)
-        return self.decode(out)
+        return self._decode([out.view(-1)], [self.total], [self.maxima], special)
+
+    def _peer_rows(self, shared, out: torch.Tensor) -> tuple | None:
+        """Every rank's ``maxima``, ``total`` and ``out`` (None where ``out`` is not in
+        the segment) and this rank's index, where ``shared`` has them in place; None
+        otherwise. Looked up once per ``out`` (collectives: every rank together)."""
+        if shared is None or self.maxima.device.type != "cpu":
+            return None
+        key = out.data_ptr()
+        if key not in self._peers:
+            views = shared.peer_views([self.maxima, self.total, out.view(-1)])
+            if views is None:
+                views = shared.peer_views([self.maxima, self.total])
+            found = None
+            if views is not None:
+                mine = [row.data_ptr() for row in views[1]].index(self.total.data_ptr())
+                found = (views[0], views[1], views[2] if len(views) > 2 else None, mine)
+            self._peers[key] = found
+        return self._peers[key]
+
+    def _mean_in_place(self, columns, out: torch.Tensor, peers: tuple, shared,
+                       extra_max: torch.Tensor | None) -> torch.Tensor:
+        """The sum with every rank's buffers read where they lie: the encode takes the
+        MAX of the ranks' exponents itself, the decode the SUM of their integers."""
+        maxima, totals, outs, mine = peers
+        shared.barrier()  # every rank's exponents (and extras, peaks) are written
+        tails = torch.stack([row[self.n:] for row in maxima]).amax(0)
+        if self.extra:
+            extra_max.copy_(tails[1:].view_as(extra_max))
+        special = self._special(tails[:1])
+        self._encode(columns, maxima, special)
+        shared.barrier()  # every rank's integers are written
+        if outs is None:
+            self._decode([out.view(-1)], totals, maxima, special)
+        else:  # each rank decodes its share of the elements into every rank's out
+            share = -(-self.n // (len(outs) * 16)) * 16  # whole cache lines of float32
+            lo, hi = min(self.n, mine * share), min(self.n, (mine + 1) * share)
+            self._decode(outs, totals, maxima, special, lo, hi)
+        shared.barrier()  # no rank writes its buffers again before every rank read them
+        return out.view(-1)
 
     def local_max(self, slots: torch.Tensor | Sequence[Column]) -> torch.Tensor:
         """``maxima[i]`` = the largest biased exponent of the local terms of element i."""
         return self._local_max(self._columns(slots))
 
     def _local_max(self, columns: list[list[torch.Tensor]]) -> torch.Tensor:
+        outs, terms = [], []
         for (a, b), column in zip(self._bounds, columns, strict=True):
-            if a == b:
-                continue
-            if column:
-                exact_compile.max_exponent(self.maxima[a:b], column)
+            if a < b and column:
+                outs.append(self.maxima[a:b])
+                terms.append(column)
             else:  # no local term: exponent 0 is below every other
                 self.maxima[a:b].zero_()
+        if outs:  # one call for every segment (a compiled call has a fixed cost)
+            exact_compile.max_exponents(outs, terms)
+        # (not in that call: inductor would read the terms again for the reduction)
+        if self.n:
+            torch.amax(self.maxima[: self.n], 0, keepdim=True, out=self._peak)
         return self.maxima[: self.n]
 
     def encode(self, slots: torch.Tensor | Sequence[Column]) -> torch.Tensor:
-        """``total[i] = sum_k round(slots[k, i] * 2^k_i)`` in int32, exactly."""
-        return self._encode(self._columns(slots))
+        """``total[i] = sum_k round(slots[k, i] * 2^k_i)`` in int32, exactly (``maxima``
+        holding the agreed exponents and peaks)."""
+        return self._encode(self._columns(slots), [self.maxima], self._special(self._peak))
 
-    def _encode(self, columns: list[list[torch.Tensor]]) -> torch.Tensor:
+    def _encode(self, columns: list[list[torch.Tensor]], maxima: Sequence[torch.Tensor],
+                special: bool) -> torch.Tensor:
+        outs, rows, terms = [], [], []
         for (a, b), column in zip(self._bounds, columns, strict=True):
-            if a == b:
-                continue
-            if column:
-                exact_compile.encode(self.total[a:b], self.maxima[a:b], column, self._grid,
-                                     self._special(a, b))
+            if a < b and column:
+                outs.append(self.total[a:b])
+                rows.append([row[a:b] for row in maxima])
+                terms.append(column)
             else:
                 self.total[a:b].zero_()
+        if outs:  # one call for every segment
+            exact_compile.encodes(outs, rows, terms, self._grid, special)
         return self.total
 
     def decode(self, out: torch.Tensor) -> torch.Tensor:
         """``out[i] = total[i] * 2^-k_i / terms``: exact scaling, one float64 rounding
-        division, the cast to ``out``'s dtype."""
-        out = out.view(-1)
-        if self.n:
-            exact_compile.decode(out, self.total, self.maxima[: self.n], self.p,
-                                 self._twos, self._odd, self._special(0, self.n))
-        return out
+        division, the cast to ``out``'s dtype (``maxima`` and ``total`` agreed)."""
+        return self._decode([out.view(-1)], [self.total], [self.maxima],
+                            self._special(self._peak))
 
-    def _special(self, a: int, b: int) -> bool:
-        """Whether an element in [a, b) has an inf or NaN term (exponent 255): only then
-        do the passes count non-finite terms (one byte per element read to know)."""
-        return int(self.maxima[a:b].max()) == 255
+    def _decode(self, outs: Sequence[torch.Tensor], totals: Sequence[torch.Tensor],
+                maxima: Sequence[torch.Tensor], special: bool, lo: int = 0,
+                hi: int | None = None) -> torch.Tensor:
+        """Elements ``lo:hi`` (all by default) of each of ``outs``; the first out."""
+        hi = self.n if hi is None else hi
+        if lo < hi:
+            exact_compile.decode([o[lo:hi] for o in outs], [t[lo:hi] for t in totals],
+                                 [row[lo:hi] for row in maxima], self.p, self._twos,
+                                 self._odd, special)
+        return outs[0]
+
+    @staticmethod
+    def _special(peak: torch.Tensor) -> bool:
+        """Whether an element has an inf or NaN term (exponent 255; ``peak``: the largest
+        exponent): only then do the passes count non-finite terms (the same bits)."""
+        return int(peak) == 255
 
 
 def make_mean(sum_format: str, rows: int, n: int, terms: int, **options):

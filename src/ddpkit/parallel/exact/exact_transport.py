@@ -9,8 +9,11 @@ bits; ``comm=`` only chooses where they run, as it does for the default engine
 
 * ``"shm"`` (what ``"auto"`` means for CPU ranks that share a host): the default
   engine's shared-memory transport, with the two reduced buffers allocated in its
-  segment so nothing is copied in or out; where the segment cannot be set up, ``"auto"``
-  falls back to the backend on every rank with one warning, as the default engine does;
+  segment so nothing is copied in or out; the int32 sum there reads every rank's
+  buffers in place (:meth:`ExactTransport.peer_views`, ordered by
+  :meth:`ExactTransport.barrier`) instead of all-reducing them; where the segment
+  cannot be set up, ``"auto"`` falls back to the backend on every rank with one
+  warning, as the default engine does;
 * ``"backend"``, ``"ring"``: :func:`ddpkit.comm.all_reduce` (and ``all_gather``) with
   that algorithm.
 
@@ -81,6 +84,28 @@ class ExactTransport:
         else:
             comm_all_reduce(tensor, op=op, algo=self.name, group=self.group)
         return tensor
+
+    def peer_views(self, tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]] | None:
+        """Per tensor of ``tensors`` (each from :meth:`allocate`), every rank's
+        counterpart, readable in place: on one host's shared segment, where a sum may
+        read its peers' rows itself instead of all-reducing them. None (on every rank
+        alike: agreed with one small collective, so call it on every rank together)
+        where some rank's tensors are not all in the segment. Order accesses with
+        :meth:`barrier`."""
+        if self._shm is None:  # (the same on every rank: the transport was agreed)
+            return None
+        views = [self._shm.comm.peer_views(t) for t in tensors]
+        found = all(v is not None for v in views)
+        everywhere = torch.tensor([int(found)], dtype=torch.int32)
+        self._shm.comm.all_reduce(everywhere, "min")
+        return views if int(everywhere) else None
+
+    def barrier(self) -> None:
+        """Every rank has arrived (and its writes to the shared segment are visible)."""
+        if self._shm is not None:
+            self._shm.comm.barrier()
+        else:
+            dist.barrier(group=self.group)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], src: int, *,
                   every_step: bool = False) -> None:
