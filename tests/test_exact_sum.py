@@ -302,9 +302,9 @@ def test_the_int32_format_serves_up_to_63_slices_and_float64_above(monkeypatch):
         choose_format(8, "int16", numel=big)
 
 
-def test_small_models_sum_in_gather_or_float64_by_default_at_every_world_size(pools,
-                                                                             monkeypatch):
-    """Up to GATHER_ELEMENTS elements in V rows the default is the gather format, else
+def test_small_models_sum_in_fold_or_float64_by_default_at_every_world_size(pools,
+                                                                           monkeypatch):
+    """Up to GATHER_ELEMENTS elements in V rows the default is the fold format, else
     below SMALL_SUM_ELEMENTS trainable elements float64, from the element count and V
     alone: an engine at W = 1 and at W = 2 picks the same (the main job's MLP is small,
     the 8.4M benchmark MLP is not); asked for, int32 still serves a small model."""

@@ -35,7 +35,7 @@ V·n is small (:func:`ddpkit.parallel.exact.exact_sum32.choose_format`). Non-fin
 terms come out as float64 addition in that fixed tree makes them (inf, or NaN), the
 same on every rank and world size.
 
-The **"fold"** format (the default where "gather" was, since it came) adds in another
+The **"fold"** format (now the default wherever "gather" was) adds in another
 fixed tree over the slice index, chosen so that a rank can add its own slices before
 the gather: at each level of ``count`` nodes, node ``k`` gets node ``k + ceil(count/2)``
 added (:func:`fold_levels`: the range folded in halves; the same depth, ``L``, so the
