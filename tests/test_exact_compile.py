@@ -95,8 +95,9 @@ class _Segment:
         self._barrier.wait()
 
 
-@pytest.mark.parametrize(("compiled", "outs_shared"), [(False, False), (False, True),
-                                                       (True, True)])
+# eager: compiled and eager passes give the same bits (the test above), and a compile
+# of these list shapes costs tens of seconds on a fresh cache
+@pytest.mark.parametrize(("compiled", "outs_shared"), [(False, False), (False, True)])
 def test_reading_the_peers_rows_in_place_gives_the_bits_of_the_all_reduces(monkeypatch,
                                                                           compiled,
                                                                           outs_shared):
