@@ -40,11 +40,11 @@ def awkward_terms(v: int, n: int, device: str) -> torch.Tensor:
 def mean_of(terms: torch.Tensor, groups: list[list[int]], compiled: bool,
             env: dict[str, str]) -> list[torch.Tensor]:
     """The exponents, the integer totals and the mean's bits, as ranks holding ``groups``
-    of the rows compute them."""
+    of the rows compute them (tests/test_exact_compile.py compares with it on the CPU)."""
     env[exact_compile.COMPILE_ENV] = "1" if compiled else "0"
     v, n = terms.shape
-    # two segments, as tests/test_exact_compile.py has them: the same compiled graphs, so
-    # a rehearsal after that test loads them from inductor's cache
+    # two segments: the graphs the CPU test compiles too, so the second of it and a
+    # rehearsal loads them from inductor's cache
     ranks = [make_mean("int32", len(g), n, v, device=terms.device, segments=[n - 100, 100])
              for g in groups]
     for mean, g in zip(ranks, groups, strict=True):

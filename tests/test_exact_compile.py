@@ -10,13 +10,19 @@ one warning.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 
 import pytest
 import torch
 
+from conftest import ROOT
 from ddpkit.parallel.exact import exact_compile
 from ddpkit.parallel.exact.exact_sum32 import int32_bits, make_mean
+
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from gpu_check_exact_sum import mean_of  # noqa: E402
 
 
 def _step(v: int) -> float:
@@ -40,19 +46,10 @@ def _awkward_terms(v: int, n: int) -> torch.Tensor:
 
 def _run(monkeypatch, compiled: bool, terms: torch.Tensor, groups: list[list[int]]):
     """The mean as ranks holding ``groups`` of the rows would compute it; the
-    exponents, totals and result."""
-    monkeypatch.setenv(exact_compile.COMPILE_ENV, "1" if compiled else "0")
-    v, n = terms.shape
-    ranks = [make_mean("int32", len(g), n, v, segments=[n - 100, 100]) for g in groups]
-    for mean, g in zip(ranks, groups, strict=True):
-        mean.local_max(terms[g])
-    agreed = torch.stack([m.maxima for m in ranks]).amax(0)
-    for mean in ranks:
-        mean.maxima.copy_(agreed)
-    total = sum(m.encode(terms[g]).clone() for m, g in zip(ranks, groups, strict=True))
-    ranks[0].total.copy_(total)
-    result = ranks[0].decode(torch.empty(n))
-    return agreed, total, result.view(torch.int32)
+    exponents, totals and result (the GPU check's ``exact_sum`` item computes it the
+    same way on CUDA)."""
+    monkeypatch.setenv(exact_compile.COMPILE_ENV, "0")  # restored after the test
+    return mean_of(terms, groups, compiled, os.environ)
 
 
 @pytest.mark.parametrize("v", [3, 4])  # with and without the division by an odd part
