@@ -12,18 +12,38 @@ from ddpkit.log import get_logger
 from ddpkit.runtime import resolve_backend
 
 
-def _sum_ranks(world):
+def _sum_ranks(world, marker=None):
     t = torch.tensor([float(world.rank + 1)])
     dist.all_reduce(t)
+    if marker:
+        _end_slowly(f"{marker}.{world.rank}")
     return world.rank, world.world_size, dist.get_backend(), t.item()
 
 
+def _end_slowly(path):
+    """A teardown after the rank's value was sent: multiprocessing runs this finalizer
+    once the rank's function has returned (where it releases named semaphores too)."""
+    import multiprocessing.util
+    import pathlib
+    import time
+
+    def finish():
+        time.sleep(0.3)
+        pathlib.Path(path).write_text("ended")
+
+    multiprocessing.util.Finalize(None, finish, exitpriority=10)
+
+
 # Every init method, at two ranks and at three (each spawn starts its ranks afresh).
+# Ranks that reported end by themselves: none is terminated in its teardown (that
+# skipped multiprocessing's exit finalizers: a compiled function's tqdm lock leaked).
 @pytest.mark.parametrize("rendezvous, nprocs", [("env", 2), ("tcp", 3), ("file", 3)])
-def test_init_methods(rendezvous, nprocs):
-    out = ddpkit.spawn(_sum_ranks, nprocs, rendezvous=rendezvous)
+def test_init_methods(rendezvous, nprocs, tmp_path):
+    out = ddpkit.spawn(_sum_ranks, nprocs, args=(str(tmp_path / "ended"),),
+                       rendezvous=rendezvous)
     expected = nprocs * (nprocs + 1) / 2
     assert out == [(r, nprocs, "gloo", expected) for r in range(nprocs)]
+    assert [(tmp_path / f"ended.{r}").read_text() for r in range(nprocs)] == ["ended"] * nprocs
 
 
 def _raise_on_rank_one(world, message):

@@ -22,6 +22,11 @@ from ddpkit.errors import DdpkitError
 
 # How long survivors get to finish after a peer failed before they are terminated.
 _GRACE_S = 5.0
+# How long ranks that reported get to end by themselves: after its value a rank still
+# tears down (the process group, multiprocessing's exit finalizers); a rank terminated
+# there leaves what those would release (e.g. semaphores named to the resource tracker,
+# which then warns of a leak).
+_EXIT_S = 60.0
 
 
 class SpawnError(DdpkitError, RuntimeError):
@@ -109,13 +114,25 @@ def spawn(
         ]
         for p in procs:
             p.start()
+        reported = False
         try:
-            return _collect(procs, results)
+            values = _collect(procs, results)
+            reported = True
+            return values
         finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-                p.join(timeout=10)
+            _reap(procs, patient=reported)
+
+
+def _reap(procs, *, patient: bool) -> None:
+    """Join the ranks: after every rank reported, let each end by itself (up to
+    :data:`_EXIT_S`); after a failure (or past that), terminate the ones still running."""
+    deadline = time.monotonic() + _EXIT_S
+    for p in procs:
+        if patient:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.terminate()
+        p.join(timeout=10)
 
 
 def _collect(procs, results) -> list[Any]:
