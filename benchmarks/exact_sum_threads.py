@@ -5,7 +5,9 @@ encode, decode) under ``torch.compile(..., options={"cpp.threads": N})`` while t
 own thread count stays 1 (as exact mode pins it), on ``--elements`` float32 elements
 with ``--terms`` local terms (seeded, so runs can be compared): the median of
 ``--repeats`` calls per pass, and checksums of the integers and the result (the same
-for every thread count when the passes do not depend on it).
+for every thread count when the passes do not depend on it). Beside them, "read": one
+eager ``torch.sum`` over every term, the time this core takes to read them once (the
+local max and the encode each read every term; what the passes cannot go below).
 
 Run:  python benchmarks/exact_sum_threads.py --threads 2 [--elements 8400000 --terms 4]
 """
@@ -46,11 +48,13 @@ def main(argv: list[str] | None = None) -> int:
         return torch.compile(getattr(exact_kernels, name), dynamic=True, fullgraph=True,
                              options={"cpp.threads": args.threads})
 
+    grid = exact_kernels.grid_base(p_bits, "cpu")
     passes = {
         "local max": (compiled("max_exponent"), (exponents, terms)),
-        "encode": (compiled("encode"), (total, exponents, terms, p_bits, False)),
-        "decode": (compiled("decode"), (result, total, exponents, p_bits, twos, divisor,
-                                        False)),
+        "encode": (compiled("encode"), (total, [exponents], terms, grid, False)),
+        "decode": (compiled("decode"), ([result], [total], [exponents], p_bits, twos,
+                                        divisor, False)),
+        "read": (lambda ts: [t.sum() for t in ts], (terms,)),
     }
     times = {name: [] for name in passes}
     for repeat in range(args.repeats + 1):  # the first: compile
