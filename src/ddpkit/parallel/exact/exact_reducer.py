@@ -362,7 +362,8 @@ class ExactReducer:
                 if self.find_unused else None)
         collectives = {}  # none on one process
         if self.world_size > 1 and self.sum_format in ("gather", "fold"):
-            collectives = {"all_gather": self.transport.gather_}
+            # on one host: read the peers' messages in place
+            collectives = {"all_gather": self.transport.gather_, "shared": self.transport}
         elif self.world_size > 1:
             collectives = {"all_reduce_max": self.transport.max_,
                            "all_reduce_sum": self.transport.sum_}
