@@ -205,6 +205,12 @@ class ExactMeanGather:
             self._peers = found
         return self._peers
 
+    @property
+    def in_place(self) -> bool:
+        """Whether the sum reads the peers' messages in place (it launches no collective;
+        known after the first sum)."""
+        return bool(self._peers)
+
     def fold_local(self) -> None:
         """The fold tree's levels whose pairs are both this rank's, on its own rows."""
         self._folded.copy_(self.rows_view)  # float32 -> float64: exact
