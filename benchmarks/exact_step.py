@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import hashlib
 import importlib.util
 import os
 import random
@@ -103,7 +104,8 @@ _OLD_HOMES = {
 
 def _load_baseline(src: str):
     """The exact-mode reducer module of the ddpkit source tree ``src``, loaded beside
-    this one (as ``baseline_exact_reducer``, using that tree's exact sum): from its
+    this one (as ``baseline_exact_reducer``, using that tree's exact sums, kept
+    gradients and slice loop; the transport is this tree's): from its
     ``parallel/exact/`` package, or from ``parallel/`` in a tree from before it (whose
     imports are pointed at their homes here)."""
     package = os.path.join(src, "ddpkit", "parallel", "exact")
@@ -112,6 +114,9 @@ def _load_baseline(src: str):
     prefix = "ddpkit.parallel." if old else "ddpkit.parallel.exact."
     modules = {}
     own_modules = ("exact_kernels", "exact_compile", "exact_sum", "exact_sum32")
+    if not old:  # that tree's gather sum, kept gradients and slice loop too
+        own_modules = ("exact_kernels", "exact_compile", "exact_sum", "exact_gather",
+                       "kept_grads", "slices", "exact_sum32")
     for name in (*own_modules, "exact_reducer"):
         path = os.path.join(where, f"{name}.py")
         if not os.path.exists(path):  # a tree from before the int32 format
@@ -129,7 +134,8 @@ def _load_baseline(src: str):
         sys.modules[spec.name] = module
         exec(compile(text, path, "exec"), module.__dict__)
         modules[name] = module
-    return modules["exact_reducer"], modules["exact_sum"], modules.get("exact_sum32")
+    return (modules["exact_reducer"], modules["exact_sum"], modules.get("exact_sum32"),
+            modules.get("exact_gather"))
 
 
 def _baseline_model(baseline, module: nn.Module, slices: int):
@@ -231,7 +237,13 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
     ExactMeanGather.fold_local = _timed("add", ExactMeanGather.fold_local)  # fold's, local
     baseline = None
     if opts["baseline_src"]:
-        baseline, baseline_sum, baseline_sum32 = _load_baseline(opts["baseline_src"])
+        baseline, baseline_sum, baseline_sum32, baseline_gather = _load_baseline(
+            opts["baseline_src"])
+        if baseline_gather is not None:  # that tree's gather and fold sums
+            gather = baseline_gather.ExactMeanGather
+            gather.add = _timed("add", gather.add)
+            if hasattr(gather, "fold_local"):
+                gather.fold_local = _timed("add", gather.fold_local)
         if hasattr(baseline, "attach"):
             _instrument(mean=baseline_sum.ExactMean, reducer=baseline.ExactReducer)
         else:  # on this tree's transport, timed already
@@ -278,15 +290,16 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
     keys = list(runs)
     for round_index in range(opts["rounds"]):
         g = torch.Generator().manual_seed(1000 * round_index + 1 + rank)
-        data = {}
+        data = {}  # per model and batch: every variant of a case steps on the same data
         for key in keys:
             r = runs[key]
             local = r["batch"] // W
-            data[key] = (torch.randn(local, r["width"], generator=g),
-                         torch.randint(0, 10, (local,), generator=g))
+            if key[:2] not in data:
+                data[key[:2]] = (torch.randn(local, r["width"], generator=g),
+                                 torch.randint(0, 10, (local,), generator=g))
         for key in random.Random(round_index).sample(keys, len(keys)):
             r = runs[key]
-            x, y = data[key]
+            x, y = data[key[:2]]
             # untimed steps first: the warmup in the first round, then ``settle`` steps
             # each round (the variant's first step after another variant's, whose
             # memory traffic, tens of MB on the 8.4M MLP, left the caches cold)
@@ -326,7 +339,11 @@ def worker(world: ddpkit.World, opts: dict) -> dict:
             "slices": r["slices"], "times": r["times"], "first": r["first"],
             "later": r["later"],
             "phases": {k: list(v) for k, v in r["phases"].items()},
-            "checksum": float(sum(p.double().sum() for p in params))}
+            "checksum": float(sum(p.double().sum() for p in params)),
+            # the parameters' bytes: the same steps on the same data give the same
+            # digest wherever the same bits come out (exact mode against its baseline)
+            "digest": hashlib.sha256(b"".join(p.contiguous().numpy().tobytes()
+                                              for p in params)).hexdigest()[:16]}
     return out
 
 
@@ -390,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                      "slices": r["slices"], "median_ms": round(ms, 3),
                      "vs_default": round(ratio, 3), "replicas_equal": same,
                      "phases_ms": {k: round(v, 3) for k, v in phases.items()},
-                     "samples": len(r["times"]),
+                     "samples": len(r["times"]), "params_digest": r["digest"],
                      "quartiles_ms": [round(q * 1e3, 3) for q in
                                       statistics.quantiles(r["times"], n=4)[::2]],
                      # rounds after the first: each block's first timed step against the
@@ -403,6 +420,13 @@ def main(argv: list[str] | None = None) -> int:
                      f"{rows[-1]['later_in_block_ms']:.2f}]  " + parts)
         print(f"{model_name:7}{batch:>7}{variant:>15}{r['slices'] or '-':>4}{ms:11.2f}"
               f"{ratio:11.3f}{same!s:>13}   {parts}")
+    digests = {(row["model"], row["global_batch"], row["variant"]): row["params_digest"]
+               for row in rows}
+    for (model_name, batch, variant), digest in digests.items():
+        if variant.endswith("_base"):
+            same_bits = digest == digests.get((model_name, batch, variant[:-len("_base")]))
+            print(f"{model_name} {batch} {variant[:-len('_base')]}: the same parameters "
+                  f"(bits) as the baseline's: {same_bits}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} "
           f"({os.cpu_count()} cores)")
     report = {"benchmark": "exact_step", "argv": sys.argv[1:], "world_size": args.world_size,

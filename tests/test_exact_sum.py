@@ -218,6 +218,15 @@ def test_gather_mean_is_within_its_bound_and_never_worse_than_float32(v, fmt):
         assert torch.equal(_bits(got.float()), _bits(terms[0]))
 
 
+def _run_ranks(rank, world: int) -> None:
+    """``rank(r)`` for every r of ``world``, each in its own thread, all at once."""
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def _gathered_means(terms: torch.Tensor, world: int, extras: list[torch.Tensor] | None = None,
                     fmt: str = "gather"):
     """Each of ``world`` ranks' gather (or fold) mean of ``terms`` (``[V, n]``), rank r
@@ -242,11 +251,7 @@ def _gathered_means(terms: torch.Tensor, world: int, extras: list[torch.Tensor] 
         got = mean.mean(mean.rows_view, torch.empty(n), all_gather=gather, extra_max=flags)
         results[r] = (got, flags)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_ranks(rank, world)
     return results
 
 
@@ -267,6 +272,63 @@ def test_gather_mean_has_the_same_bits_at_every_world_size(fmt):
     # The order is what makes it so: adding the same rows in rank order instead differs.
     by_rank = torch.cat([terms[r::2] for r in range(2)]).double()
     assert not torch.equal(_bits((by_rank.cumsum(0)[-1] / v).float()), reference)
+
+
+def _means_read_in_place(steps: list[torch.Tensor], world: int, fmt: str,
+                         extras: list[torch.Tensor]):
+    """Per step of ``steps`` (each ``[V, n]``), each of ``world`` ranks' mean when the
+    ranks read each other's messages in place (as on one host's shared segment): one
+    thread per rank, one builder each, a step's sum after the other's."""
+    v, n = steps[0].shape
+    allocated: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    everyone = threading.Barrier(world)
+    results: list = [[None] * world for _ in steps]
+
+    class Shared:  # the transport's two calls the in-place sum makes
+        def __init__(self, r: int):
+            self.r = r
+
+        def peer_views(self, tensors):
+            everyone.wait()  # every rank has allocated its copies
+            mine = [t.data_ptr() for t in allocated[self.r]]
+            return [[allocated[q][mine.index(t.data_ptr())] for q in range(world)]
+                    for t in tensors]
+
+        def barrier(self):
+            everyone.wait()
+
+    def rank(r: int) -> None:
+        def allocate(numel, dtype, device):  # stale values: every copy is written first
+            allocated[r].append(torch.full((numel,), float(r + 3), dtype=dtype))
+            return allocated[r][-1]
+
+        mean = make_mean(fmt, v // world, n, v, extra=len(extras[0]), allocate=allocate)
+        for i, terms in enumerate(steps):
+            mean.rows_view.copy_(terms[list(owned_slices(r, world, v))])
+            flags = extras[r].clone()
+            got = mean.mean(mean.rows_view, torch.empty(n), extra_max=flags, shared=Shared(r),
+                            all_gather=None)
+            results[i][r] = (got.clone(), flags)
+
+    _run_ranks(rank, world)
+    return results
+
+
+@pytest.mark.parametrize("fmt", ["gather", "fold"])
+def test_messages_read_in_place_give_the_gathers_bits(fmt):
+    """On one host the ranks read each other's messages where they lie, two copies used
+    in turn: every step's mean has the bits of one process, the extras their maximum."""
+    v = 12
+    steps = [_terms(v, 1_000, seed=s) for s in (6, 7, 8)]
+    steps[1][:, 5:9] = torch.tensor([float("inf"), float("-inf"), float("nan"), -0.0])
+    references = [_bits(make_mean(fmt, v, 1_000, v).mean(t, torch.empty(1_000))) for t in steps]
+    for world in (2, 3, 4, 12):
+        extras = [torch.tensor([float(r == 1), 0.0]) for r in range(world)]
+        for reference, ranks in zip(references, _means_read_in_place(steps, world, fmt, extras),
+                                    strict=True):
+            for got, flags in ranks:
+                assert torch.equal(_bits(got), reference), world
+                assert flags.tolist() == [1.0, 0.0]
 
 
 def test_fold_and_gather_are_different_trees():

@@ -9,7 +9,9 @@ several Python-level calls and two collective latencies per step, larger than th
 arithmetic. This format instead moves the terms themselves:
 
 1. every rank's V/W local float32 rows (a row per slice: that slice's gradient) are
-   all-gathered, so every rank holds all V rows (one collective, V·n·4 bytes);
+   all-gathered, so every rank holds all V rows (one collective, V·n·4 bytes); on one
+   host (shared memory) each rank copies them into the segment instead, and after one
+   barrier every rank reads every rank's rows where they lie;
 2. every rank converts them to float64 (exact) in *global slice order* 0, 1, ..., V-1
    and adds them in a fixed pairwise tree over that order (slices 2i and 2i + 1, then
    pairs of those sums, an odd last one carried up a level): the same float64
@@ -118,8 +120,18 @@ class ExactMeanGather:
         wide = bool(self._local_levels)  # the message is float64 nodes, not float32 rows
         dtype = torch.float64 if wide else torch.float32
         width = nodes * n + extra  # one rank's message: its rows or nodes, then extras
+        self.nodes, self.width = nodes, width
         self._local = torch.zeros(max(width, rows * n), dtype=dtype, device=device)
         self._message = self._local[:width]
+        # Where ``allocate`` puts them in the host's shared segment, the peers read each
+        # rank's message there in place instead of gathering it: two copies of it, used
+        # in turn, so one barrier a step suffices (a rank writes a copy again two steps
+        # later, past the next step's barrier, which every peer reaches after reading).
+        self._exchange: list[torch.Tensor] = []
+        if world > 1 and allocate is not None and torch.device(device).type == "cpu":
+            self._exchange = [allocate(width, dtype, device) for _ in range(2)]
+        self._peers: list[list[torch.Tensor]] | None | bool = False  # False: not looked up
+        self._turn = 0  # which copy this step's message goes to
         if wide:
             # the rows apart; folded in place in the message's buffer (exact: float32 in
             # float64), whose first nodes are sent, the extras after them
@@ -142,30 +154,62 @@ class ExactMeanGather:
         self._half = None if fold else torch.empty((count + 1) // 2, n, dtype=torch.float64,
                                                    device=device)
         # the mean: x / V, one rounding in float64 (exact scaling when V is a power of
-        # two), then the cast; the divisor a tensor, so that no kernel (CUDA's) turns a
-        # scalar division into a rounded reciprocal's product
+        # two: then a product with 1 / V, the same exact result), then the cast; any
+        # other divisor a tensor, so that no kernel (CUDA's) turns a scalar division
+        # into a rounded reciprocal's product
         self._divisor = torch.tensor(float(terms), dtype=torch.float64, device=device)
+        self._inverse = 1.0 / terms if terms & (terms - 1) == 0 else None
 
     def mean(self, slots: torch.Tensor | Sequence[Column], out: torch.Tensor, *,
              all_gather: Gather | None = None, extra_max: torch.Tensor | None = None,
-             **_unused) -> torch.Tensor:
+             shared=None, **_unused) -> torch.Tensor:
         """``out`` (any float dtype, n elements) = the mean over all terms.
 
         ``extra_max``: ``extra`` values (per-parameter "used" flags) whose maximum over
-        the ranks it holds afterwards (they travel in the same gather)."""
+        the ranks it holds afterwards (they travel in the same gather). ``shared``: an
+        :class:`~ddpkit.parallel.exact.exact_transport.ExactTransport` whose segment may
+        hold every rank's message (where ``allocate`` put it there): then each is read
+        where it lies, after one barrier, instead of all-gathered."""
         self._fill(slots)
         if self._local_levels:
             self.fold_local()
-        if self.world > 1:
-            if all_gather is None:
-                raise ValueError(f"{self.rows} local rows of {self.terms} terms need "
-                                 "all_gather")
+        if self.world == 1:
+            return self.add(out)
+        if self.extra:
+            self._extras_out.copy_(extra_max.reshape(-1))
+        peers = self._peer_messages(shared)
+        if peers is not None:
+            turn, self._turn = self._turn, 1 - self._turn
+            self._exchange[turn].copy_(self._message)
+            shared.barrier()  # every rank's message of this step is written
+            messages = peers[turn]
             if self.extra:
-                self._extras_out.copy_(extra_max.reshape(-1))
-            all_gather(self._gathered, self._message)
-            if self.extra:
-                extra_max.copy_(self._extras_in.amax(0).view_as(extra_max))
+                tails = torch.stack([message[self.nodes * self.n:] for message in messages])
+                extra_max.copy_(tails.amax(0).view_as(extra_max))
+            return self.add(out, messages)
+        if all_gather is None:
+            raise ValueError(f"{self.rows} local rows of {self.terms} terms need all_gather")
+        all_gather(self._gathered, self._message)
+        if self.extra:
+            extra_max.copy_(self._extras_in.amax(0).view_as(extra_max))
         return self.add(out)
+
+    def _peer_messages(self, shared) -> list[list[torch.Tensor]] | None:
+        """Per copy of the message, every rank's, readable in place, in rank order; None
+        where ``shared`` does not hold them all (looked up once, at the first sum: a
+        collective, every rank together)."""
+        if self._peers is False:
+            found = None
+            if shared is not None and self._exchange:
+                found = shared.peer_views(self._exchange)
+            self._peers = found
+        return self._peers
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the sum reads the peers' messages in place (it launches no collective;
+        known after the first sum)."""
+        return bool(self._peers)
 
     def fold_local(self) -> None:
         """The fold tree's levels whose pairs are both this rank's, on its own rows."""
@@ -173,16 +217,33 @@ class ExactMeanGather:
         for count, half in self._local_levels:
             _fold_(self._folded, count, half)
 
-    def add(self, out: torch.Tensor) -> torch.Tensor:
-        """``out`` = the mean of the gathered rows (or nodes): in float64, in a fixed tree
-        over the global slice index."""
-        rows = self._rows64
-        self._rows64_in.copy_(self._in_order)  # float32 -> float64: exact
+    def add(self, out: torch.Tensor, messages: Sequence[torch.Tensor] | None = None
+            ) -> torch.Tensor:
+        """``out`` = the mean of every rank's rows (or nodes): in float64, in a fixed tree
+        over the global slice index. ``messages``: every rank's message, in rank order
+        (read in place); None: those the gather left (this rank's own at W = 1)."""
+        rows, n = self._rows64, self.n
+        levels = self._shared_levels
+        if self.format == "fold" and levels and self.nodes == 1:
+            # one node per rank, global node k is rank k's: the first level converts
+            # node k to float64 (exact) and adds node k + half to it as it reads it
+            count, half = levels[0]
+            nodes = self._in_order[0] if messages is None else messages
+            for k in range(half):
+                rows[k].copy_(nodes[k][:n])
+            for k in range(count - half):
+                rows[k].add_(nodes[k + half][:n])
+            levels = levels[1:]
+        elif messages is None:
+            self._rows64_in.copy_(self._in_order)  # float32 -> float64: exact
+        else:
+            size = self.nodes * n
+            for r, message in enumerate(messages):
+                self._rows64_in[:, r].copy_(message[:size].view(self.nodes, n))
         if self.format == "fold":
-            for count, half in self._shared_levels:
+            for count, half in levels:
                 _fold_(rows, count, half)
-            torch.div(rows[0], self._divisor, out=out.view(-1))  # in float64, then the cast
-            return out.view(-1)
+            return self._scaled(rows[0], out)
         spare = self._half
         count = self.terms
         # A fixed pairwise tree over the slice index (a function of V alone): rows 2i
@@ -194,8 +255,18 @@ class ExactMeanGather:
                 spare[half].copy_(rows[count - 1])
             count = half + count % 2
             rows, spare = spare, rows
-        torch.div(rows[0], self._divisor, out=out.view(-1))  # in float64, then the cast
-        return out.view(-1)
+        return self._scaled(rows[0], out)
+
+    def _scaled(self, total: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` = ``total`` / V: in float64 in place (``total`` is scratch), then the
+        cast (one op each: a division with a cast in it runs a slower mixed-type loop)."""
+        if self._inverse is not None:
+            total.mul_(self._inverse)
+        else:
+            total.div_(self._divisor)
+        flat = out.view(-1)
+        flat.copy_(total)
+        return flat
 
     def _fill(self, slots: torch.Tensor | Sequence[Column]) -> None:
         """The local rows into ``rows_view``, unless they are there already."""

@@ -132,6 +132,7 @@ class ExactReducer:
         # of the mean into every rank's copy
         self._result = transport.allocate(total, torch.float32, self.device)
         self._grad_views: list[torch.Tensor] | None = None  # per parameter, of _result
+        self._float32 = all(p.dtype == torch.float32 for p in self.params)  # no casts
         self._mean: Any = None  # ExactMean32, ExactMean or ExactMeanGather, by the format
         self._local: int | None = None  # the local slice being run, inside slices()
         self._done = 0  # local slices of this step whose backward has ended
@@ -200,15 +201,16 @@ class ExactReducer:
                 "exact mode needs the number of slices: DataParallel(model, "
                 "exact=True, slices=V), or ddpkit.Run(..., exact=True), which takes "
                 "it from the sampler")
-        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
-            raise ConfigError("model.slices(...) takes this rank's batch tensors, e.g. "
-                              "model.slices(x, y)")
-        lengths = {len(t) for t in tensors}
+        if not tensors or not all(isinstance(t, torch.Tensor) and t.dim() for t in tensors):
+            raise ConfigError("model.slices(...) takes this rank's batch tensors (samples "
+                              "along dim 0), e.g. model.slices(x, y)")
+        lengths = {t.shape[0] for t in tensors}  # (len() of a tensor runs Python code)
         if len(lengths) != 1:
             raise ConfigError(f"model.slices(...): the tensors hold {sorted(lengths)} samples; "
                               "give the same batch's tensors")
         parts = slice_positions(lengths.pop(), v, self.world_size)
         owned = owned_slices(self.rank, self.world_size, v)
+        whole = len(parts) == 1  # one slice per rank: the whole local batch, no view to cut
         self._begin_step(len(parts))
         finished = False
         step = self.step  # (the last slice's backward counts the step done)
@@ -217,7 +219,7 @@ class ExactReducer:
                 for m, (part, k) in enumerate(zip(parts, owned, strict=True)):
                     # Contiguous copies: a strided view's layout (its stride is V/W rows)
                     # could steer a kernel to another code path at another world size.
-                    pieces = [t[part].contiguous() for t in tensors]
+                    pieces = [(t if whole else t[part]).contiguous() for t in tensors]
                     seed_slice(generators, self.seed, step, k)
                     self._local = m
                     yield pieces[0] if len(pieces) == 1 else tuple(pieces)
@@ -362,27 +364,40 @@ class ExactReducer:
                 if self.find_unused else None)
         collectives = {}  # none on one process
         if self.world_size > 1 and self.sum_format in ("gather", "fold"):
-            collectives = {"all_gather": self.transport.gather_}
+            # on one host: read the peers' messages in place
+            collectives = {"all_gather": self.transport.gather_, "shared": self.transport}
         elif self.world_size > 1:
             collectives = {"all_reduce_max": self.transport.max_,
                            "all_reduce_sum": self.transport.sum_}
             if self.sum_format == "int32":  # on one host: read the peers' rows in place
                 collectives["shared"] = self.transport
         # Inside backward (this is its end callback): collectives must not capture
-        # autograd's Python thread-local state (see ddpkit.lifetime).
-        with no_python_tls():
-            try:
+        # autograd's Python thread-local state (see ddpkit.lifetime). A sum on one
+        # process, or one that reads its peers in place, launches none: it skips the
+        # guard's cost.
+        quiet = not collectives or getattr(self._mean, "in_place", False)
+        try:
+            if quiet:
                 self._mean.mean(self._kept.terms, self._result, extra_max=used,
                                 **collectives)
-            finally:
-                self._kept.clear()
-        with torch.no_grad():
-            if self._grad_views is None:  # the same views of the result every step
-                self._grad_views = [
-                    self._result[start:start + p.numel()].view_as(p)
-                    for p, start in zip(self.params, self._offsets, strict=True)]
-            flags = used.tolist() if used is not None else [True] * len(self.params)
-            for p, view, anywhere in zip(self.params, self._grad_views, flags, strict=True):
+            else:
+                with no_python_tls():
+                    self._mean.mean(self._kept.terms, self._result, extra_max=used,
+                                    **collectives)
+        finally:
+            self._kept.clear()
+        # (no torch.no_grad() needed: the result does not require a gradient)
+        if self._grad_views is None:  # the same views of the result every step
+            self._grad_views = [
+                self._result[start:start + p.numel()].view_as(p)
+                for p, start in zip(self.params, self._offsets, strict=True)]
+        if used is None and self._float32:  # every parameter, its view as it is
+            for p, view in zip(self.params, self._grad_views):
+                p.grad = view
+        else:
+            for p, view, anywhere in zip(self.params, self._grad_views, used.tolist()
+                                         if used is not None else [True] * len(self.params),
+                                         strict=True):
                 if not anywhere:
                     p.grad = None  # unused on every rank, like torch DDP: optimizers skip it
                     continue

@@ -87,7 +87,8 @@ class ExactTransport:
 
     def peer_views(self, tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]] | None:
         """Per tensor of ``tensors`` (each from :meth:`allocate`), every rank's
-        counterpart, readable in place: on one host's shared segment, where a sum may
+        counterpart in rank order, readable in place: on one host's shared segment
+        (whose local ranks are the group's, in order), where a sum may
         read its peers' rows itself instead of all-reducing them. None (on every rank
         alike: agreed with one small collective, so call it on every rank together)
         where some rank's tensors are not all in the segment. Order accesses with
