@@ -153,7 +153,6 @@ SLOW = {
     "test_ddp.py": {"test_uneven_inputs_without_join_time_out_with_an_error",
                     "test_three_ranks_equal_one_process"},
     "test_ddp_comm.py": {"test_every_comm_keeps_replicas_identical_and_equals_one_process",
-                         "test_ddpkit_verify_cli_with_comm_shm",
                          "test_bad_comm_is_one_line_exit_2[verify]",
                          "test_verify_passes_with_every_comm[4]",
                          "test_backend_comm_is_bit_identical_to_torch_ddp[4]"},
