@@ -25,7 +25,7 @@ from typing import NoReturn
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_pool import DistPool  # noqa: E402
+from dist_pool import DistPool, stop_fork_server  # noqa: E402
 from train_reference import train_in_pool  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -316,6 +316,7 @@ def pools():
         pool.ask_to_stop()
     for pool in made.values():
         pool.close()
+    stop_fork_server()
 
 
 @pytest.fixture(scope="session")
