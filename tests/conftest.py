@@ -25,7 +25,7 @@ from typing import NoReturn
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dist_pool import DistPool  # noqa: E402
+from dist_pool import DistPool, stop_fork_server  # noqa: E402
 from train_reference import train_in_pool  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,7 +112,6 @@ LAYERS = {
     "test_train_e2e.py": E2E,
     "test_train_example.py": E2E,
     "test_train_fault.py": E2E,
-    "test_train_shard.py": E2E,
     "test_frameworks.py": E2E,
 }
 # The files whose tests take longest in all (--durations, benchmarks/RESULTS.md "Tests"),
@@ -123,7 +122,7 @@ LONGEST_FIRST = (
     "test_docs.py", "test_frameworks.py", "test_elastic.py", "test_gpu_check.py",
     "test_own_loop.py", "test_train_fault.py", "test_slurm_launcher.py",
     "test_launch_torchrun.py", "test_migrating.py", "test_slurm.py", "test_exact_cli.py",
-    "test_console.py", "test_train_shard.py", "test_launch.py", "test_comm.py",
+    "test_console.py", "test_train_e2e.py", "test_launch.py", "test_comm.py",
 )
 # file -> test functions (every parametrization) or single parametrizations ("name[id]").
 # Four ranks on two cores: every test on the 4-rank pool is slow, and so is starting it.
@@ -153,7 +152,6 @@ SLOW = {
     "test_ddp.py": {"test_uneven_inputs_without_join_time_out_with_an_error",
                     "test_three_ranks_equal_one_process"},
     "test_ddp_comm.py": {"test_every_comm_keeps_replicas_identical_and_equals_one_process",
-                         "test_ddpkit_verify_cli_with_comm_shm",
                          "test_bad_comm_is_one_line_exit_2[verify]",
                          "test_verify_passes_with_every_comm[4]",
                          "test_backend_comm_is_bit_identical_to_torch_ddp[4]"},
@@ -233,8 +231,8 @@ SLOW = {
     # collects the files named here in a fresh interpreter
     "test_suite_lists.py": {"test_every_slow_id_names_a_collected_test"},
     "test_train_recipe.py": {"test_user_factories_train_the_users_module_on_the_users_data"},
-    "test_train_shard.py": {"test_sharded_run_equals_unsharded_with_half_the_optimizer_state",
-                            "test_shard_with_the_torch_engine_is_one_line_exit_2"},
+    "test_train_e2e.py": {"test_sharded_run_equals_unsharded_with_half_the_optimizer_state",
+                          "test_shard_with_the_torch_engine_is_one_line_exit_2"},
     "test_zero.py": {"test_sharded_checkpoint_resumes_at_another_world_size",
                      "test_run_resumes_a_sharded_loop_at_another_world_size",
                      "test_unsharded_and_sharded_checkpoints_continue_either_way",
@@ -318,6 +316,7 @@ def pools():
         pool.ask_to_stop()
     for pool in made.values():
         pool.close()
+    stop_fork_server()
 
 
 @pytest.fixture(scope="session")
@@ -337,23 +336,6 @@ def train_reference(pools, tmp_path_factory):
         return made[key]
 
     return get
-
-
-@pytest.fixture(scope="session")
-def default_train_run(tmp_path_factory):
-    """One `ddpkit train --nproc-per-node 2 --epochs 1 --seed 7` launch with every other
-    option at its default: (the completed process, its run directory), shared by the
-    tests that check that run and those that compare other runs with it."""
-    import subprocess
-
-    out = tmp_path_factory.mktemp("default-train") / "runs"
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddpkit.cli", "train", "--nproc-per-node", "2", "--epochs", "1",
-         "--seed", "7", "--out-dir", str(out)],
-        capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (run_dir,) = out.iterdir()  # one new run directory
-    return proc, run_dir
 
 
 @pytest.fixture

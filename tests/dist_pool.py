@@ -1,7 +1,11 @@
 """Long-lived gloo worker processes for tests.
 
 Starting a process that imports torch costs seconds on this machine, so each world size
-gets one pool of workers per test session. ``pool.run(fn, *args)`` runs
+gets one pool of workers per test session, and the workers are forked from
+multiprocessing's fork server, which imported torch and the pool's own modules once
+(:data:`PRELOAD`): a worker starts with them imported instead of importing them again
+(the environment it sees is the fork server's, taken when the session's first pool
+started). ``pool.run(fn, *args)`` runs
 ``fn(world, *args)`` on every rank (``fn`` must be a module-level function) and returns
 the results by rank. A task that fails or times out may leave other ranks stuck in a
 collective, so the pool is then torn down and rebuilt on next use. A rank that dies (a
@@ -21,6 +25,19 @@ import signal
 import tempfile
 import time
 import traceback
+
+# What every worker imports before its first task (see _worker), imported once in the fork
+# server. Nothing that changes how the library behaves: torch._dynamo, which an optimizer's
+# first step imports, stays each test's own.
+PRELOAD = ["torch", "torch.distributed", "ddpkit.runtime", "ddpkit.spawn"]
+
+
+def stop_fork_server() -> None:
+    """End the fork server (when every pool is closed): it reaped the workers, so their
+    CPU time is counted with this process's children once it is waited for."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()
 
 
 class RankFailure(AssertionError):
@@ -78,7 +95,8 @@ class DistPool:
         self._asked_to_stop = False
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)  # read when the fork server starts
         self._tmp = tempfile.mkdtemp(prefix=f"ddpkit-pool{self.world_size}-")
         store = self._store = os.path.join(self._tmp, "store")
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]

@@ -277,16 +277,6 @@ def test_bad_comm_is_one_line_exit_2(command):
                      "ring, shm"], lines
 
 
-@pytest.mark.slow
-@pytest.mark.e2e
-def test_ddpkit_verify_cli_with_comm_shm():
-    proc = subprocess.run([sys.executable, "-m", "ddpkit.cli", "verify", "--nproc-per-node", "2",
-                           "--steps", "3", "--comm", "shm"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.rstrip().endswith("PASS")
-
-
 # -- every mode is one reducer and one transport, each the whole interface ------------------
 
 def _protocol_members(protocol) -> dict[str, object]:

@@ -141,12 +141,12 @@ CASES = {
     # (--run-path: torch's multiprocessing starts the ranks, which run the script by runpy)
     "standalone_run_path_nproc_cpu": ["--standalone", "--run-path", "--nproc-per-node", "cpu",
                                       "{workdir}/probe.py", "a", "--b=1"],
-    "module_role_elastic_range_nproc_auto": ["--nproc_per_node=auto", "--nnodes", "1:1",
-                                             "--role", "trainer", "-m", "probe", "x"],
-    "c10d_endpoint_id_conf": ["--nnodes=1", "--nproc_per_node=2", "--rdzv_backend=c10d",
-                              "--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=job7",
-                              "--rdzv_conf=timeout=60,read_timeout=30",
-                              "--monitor_interval=0.2", "probe.py"],
+    # (module mode, the role, an elastic range and auto were a command line of their own)
+    "c10d_endpoint_id_conf_module_role_elastic_range_nproc_auto": [
+        "--nnodes", "1:1", "--nproc_per_node=auto", "--rdzv_backend=c10d",
+        "--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=job7",
+        "--rdzv_conf=timeout=60,read_timeout=30", "--monitor_interval=0.2",
+        "--role", "trainer", "-m", "probe", "x"],
     "static_master_addr_port_no_python": ["--master_addr=127.0.0.1", "--master-port", "{port}",
                                           "--node_rank=0", "--nnodes", "1", "--no_python",
                                           "--nproc-per-node=1", sys.executable, "probe.py", "y"],

@@ -147,8 +147,11 @@ def test_verify_tolerance_scales_with_dtype():
 @pytest.mark.slow
 @pytest.mark.e2e
 def test_ddpkit_verify_cli():
+    # --comm shm: the flag reaches the launched workers (it was a launch of its own in
+    # tests/test_ddp_comm.py); auto, the default, picks shm here too, and the default
+    # command line is docs/training.md's `ddpkit verify --steps 5` (tests/test_docs.py).
     proc = subprocess.run([sys.executable, "-m", "ddpkit.cli", "verify", "--nproc-per-node", "2",
-                           "--steps", "3"],
+                           "--steps", "3", "--comm", "shm"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2 ranks vs 1 process, 3 steps" in proc.stdout and proc.stdout.rstrip().endswith("PASS")

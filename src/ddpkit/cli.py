@@ -12,6 +12,7 @@ import importlib
 import re
 import sys
 import textwrap
+from typing import NoReturn
 
 from ddpkit.errors import DdpkitError
 from ddpkit.help_text import plain
@@ -134,5 +135,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The ``ddpkit`` program (its console script and ``python -m ddpkit.cli``): ``main``,
+    then a success ends without the interpreter's finalization, as every worker does
+    (:mod:`ddpkit.process_exit`): the launcher's agent imported torch, and its teardown
+    is work nobody waits for. ``main`` itself returns, for callers in a process of their own."""
+    from ddpkit.process_exit import exit_process
+
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -13,13 +13,9 @@ the rest (a peer that died, a hang, a bug) are what ``--max-restarts`` is for.""
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
 import sys
-import threading
 from collections.abc import Callable
-from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -29,6 +25,7 @@ from ddpkit.durable import EXIT_DISK_FULL, DiskFullError
 from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.fault import EXIT_HANG, HangError
 from ddpkit.launcher_link import report_final
+from ddpkit.process_exit import exit_process as exit_process  # the workers' end
 from ddpkit.train.divergence import EXIT_DIVERGED, DivergedError
 
 # What a restart would only repeat. Not a CommError: a collective that lost a peer that
@@ -64,33 +61,3 @@ def run_entry(command: str, body: Callable[[], int]) -> int:
             return code
 
     return guarded()
-
-
-def exit_process(code: int) -> NoReturn:
-    """End a worker process with ``code``; a successful one skips the interpreter's
-    finalization. (A failed one exits the usual way: it is not in a hurry, and a peer
-    that dies of its loss should not end before the rank that caused it.)
-
-    Tearing down a process that imported torch (and torch._dynamo, which its optimizers
-    import) is slow: every module and object freed one by one, then torch's C++
-    destructors, all after the work is done and its files are closed (the main job's
-    exit, before and after: benchmarks/RESULTS-history.md, start-up). What
-    finalization would do that matters is done first: non-daemon threads finish,
-    ``atexit`` handlers run (logging's flush among them), stdout and stderr are flushed.
-    Everything else the OS reclaims; the atexit handlers include ddpkit's own teardown,
-    which destroys the process groups first (:mod:`ddpkit.lifetime`)."""
-    if code != 0:
-        sys.exit(code)
-    # As finalization does: first the hooks registered with threading (they stop the
-    # worker threads of concurrent.futures executors, e.g. torch.compile's compile
-    # pool, which would otherwise wait for work forever), then the joins.
-    for hook in reversed(getattr(threading, "_threading_atexits", [])):
-        hook()
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):
-            stream.flush()
-    os._exit(code)
