@@ -385,6 +385,7 @@ def _refusals(world):
                 model(xs)
 
     out["no_sync"] = message(no_sync_inside)
+    out["scalar"] = message(lambda: next(model.slices(torch.tensor(1.0))))
 
     def one_step():
         for xs, ys in model.slices(x, y):
@@ -420,6 +421,7 @@ def test_misuse_of_exact_mode_is_one_line_each(pools):
         "batchnorm": "exact mode: BatchNorm1d '1' updates running statistics",
         "outside": "exact mode: run each training forward/backward inside the slice loop",
         "no_sync": "exact mode has no no_sync()",
+        "scalar": "model.slices(...) takes this rank's batch tensors (samples along dim 0)",
         "zero_grad": "still has a gradient when a step's slices begin; call "
                      "optimizer.zero_grad()",
         "hook": "exact mode sums gradients itself; comm hooks do not apply",
