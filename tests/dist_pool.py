@@ -26,10 +26,12 @@ import tempfile
 import time
 import traceback
 
-# What every worker imports before its first task (see _worker), imported once in the fork
-# server. Nothing that changes how the library behaves: torch._dynamo, which an optimizer's
-# first step imports, stays each test's own.
-PRELOAD = ["torch", "torch.distributed", "ddpkit.runtime", "ddpkit.spawn"]
+# Imported once in the fork server: what every worker imports before its first task (see
+# _worker), and torch._dynamo, which torch.optim imports at an optimizer's first step (in
+# most workers, early in the session). With it already imported, ddpkit's DataParallel asks
+# torch.compiler.is_compiling() instead of leaving it unasked (the same answer, False, in
+# eager code); a launched process, which starts without it, keeps testing the other way.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddpkit.runtime", "ddpkit.spawn"]
 
 
 def stop_fork_server() -> None:
