@@ -32,6 +32,7 @@ them more than float64 summation does).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -377,13 +378,9 @@ class ExactReducer:
         # guard's cost.
         quiet = not collectives or getattr(self._mean, "in_place", False)
         try:
-            if quiet:
+            with contextlib.nullcontext() if quiet else no_python_tls():
                 self._mean.mean(self._kept.terms, self._result, extra_max=used,
                                 **collectives)
-            else:
-                with no_python_tls():
-                    self._mean.mean(self._kept.terms, self._result, extra_max=used,
-                                    **collectives)
         finally:
             self._kept.clear()
         # (no torch.no_grad() needed: the result does not require a gradient)
@@ -395,9 +392,8 @@ class ExactReducer:
             for p, view in zip(self.params, self._grad_views):
                 p.grad = view
         else:
-            for p, view, anywhere in zip(self.params, self._grad_views, used.tolist()
-                                         if used is not None else [True] * len(self.params),
-                                         strict=True):
+            flags = used.tolist() if used is not None else [True] * len(self.params)
+            for p, view, anywhere in zip(self.params, self._grad_views, flags, strict=True):
                 if not anywhere:
                     p.grad = None  # unused on every rank, like torch DDP: optimizers skip it
                     continue
