@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     # Only who started this process matters here, not its devices (which need torch).
     if World.from_env(require_master_addr=False, accelerator="cpu",
                       device_count=0).source != "single":
-        from ddpkit.train.entry import exit_process
+        from ddpkit.process_exit import exit_process
         from ddpkit.train.worker import run_from_args
 
         # One worker of a job some launcher started (torchrun, srun, mpirun); it ends as

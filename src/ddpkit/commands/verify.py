@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     # Only who started this process matters here, not its devices (which need torch).
     if World.from_env(require_master_addr=False, accelerator="cpu",
                       device_count=0).source != "single":
-        from ddpkit.train.entry import exit_process
+        from ddpkit.process_exit import exit_process
 
         # One worker of a job some launcher started; it ends as every worker does.
         exit_process(run_from_args(args))

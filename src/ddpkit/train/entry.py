@@ -25,7 +25,6 @@ from ddpkit.durable import EXIT_DISK_FULL, DiskFullError
 from ddpkit.errors import ConfigError, DdpkitError
 from ddpkit.fault import EXIT_HANG, HangError
 from ddpkit.launcher_link import report_final
-from ddpkit.process_exit import exit_process as exit_process  # the workers' end
 from ddpkit.train.divergence import EXIT_DIVERGED, DivergedError
 
 # What a restart would only repeat. Not a CommError: a collective that lost a peer that

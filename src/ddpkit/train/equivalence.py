@@ -37,10 +37,11 @@ from ddpkit.errors import ConfigError
 from ddpkit.launcher_link import die_with_launcher
 from ddpkit.parallel.exact.exact_sum32 import choose_format, make_mean
 from ddpkit.parallel.exact.slices import slice_rng
+from ddpkit.process_exit import exit_process
 from ddpkit.runtime import distributed
 from ddpkit.train.build import Parts, Wrap, build_parts, load_data
 from ddpkit.train.config import Config
-from ddpkit.train.entry import exit_process, run_entry
+from ddpkit.train.entry import run_entry
 from ddpkit.train.metrics import MetricSums
 from ddpkit.train.options import (
     add_resolved_config,

@@ -28,10 +28,11 @@ from ddpkit import host_change
 from ddpkit.fault import EXIT_PREEMPTED
 from ddpkit.launcher_link import die_with_launcher
 from ddpkit.loop.inject import step_hooks
+from ddpkit.process_exit import exit_process
 from ddpkit.runtime import distributed
 from ddpkit.train import host_report
 from ddpkit.train.config import Config
-from ddpkit.train.entry import exit_process, run_entry
+from ddpkit.train.entry import run_entry
 from ddpkit.train.options import (
     add_resolved_config,
     add_run_options,
