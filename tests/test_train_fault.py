@@ -128,6 +128,20 @@ def _wait_for(path_glob: Path | str, proc: subprocess.Popen, root: Path, limit: 
         time.sleep(0.1)
 
 
+def _wait_for_step_line(step: int, rank: int, proc: subprocess.Popen, root: Path,
+                        limit: float = 180):
+    """Until ``rank`` has written its sample-id line of ``step`` (``--log-sample-ids``:
+    flushed at the step's end, before the fault hooks run)."""
+    deadline = time.monotonic() + limit
+    while True:
+        for path in root.glob(f"*/sample_ids/rank{rank}.jsonl"):
+            if any(line.startswith(f'{{"step": {step},') for line in path.read_text().splitlines()):
+                return
+        assert proc.poll() is None, f"ddpkit train ended early:\n{_finish(proc)[1][-3000:]}"
+        assert time.monotonic() < deadline, f"rank {rank} did not reach step {step}"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def continued(tmp_path_factory) -> dict:
     """One run that meets three faults, each followed by the same command line, and what
@@ -239,7 +253,9 @@ def test_a_stopped_rank_is_named_within_the_timeout_and_every_process_ends(tmp_p
     marker, timeout, margin = uuid.uuid4().hex, 3.0, 3.0
     proc = _start(*JOB, "--out-dir", str(tmp_path), "--collective-timeout", str(timeout),
                   env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:2", **{MARKER: marker}))
-    _wait_for("*/checkpoints/step_000000004/manifest.json", proc, tmp_path)
+    # Rank 1 logged step 5's samples: it is past step 4's checkpoint (whose manifest rank
+    # 0 may write before rank 1 leaves it) and in its 2 s sleep before step 5's check.
+    _wait_for_step_line(5, 1, proc, tmp_path)
     stopped = worker_pid(marker, 1)
     assert stopped is not None
     os.kill(stopped, signal.SIGSTOP)
