@@ -111,6 +111,14 @@ def test_sigterm_at_two_ranks_then_resume_at_three_ends_with_one_process_bits(re
                      "step_000000008 was written with other settings "
                      "(train.slices: 12 -> 6); leave those options out to resume, "
                      "or start a new run"], text
+    # So is its precision: another one changes every step's bits.
+    code, text = _finish(_start("--resume", str(run), "--precision", "bf16", env=_env()))
+    assert code == 2
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines == [f"ddpkit train: error: --resume {run}: its checkpoint "
+                     "step_000000008 was written with other settings "
+                     "(train.precision: 'fp32' -> 'bf16'); leave those options out to "
+                     "resume, or start a new run"], text
 
 
 def test_exact_mode_on_a_world_size_its_slices_do_not_serve_is_one_line():
