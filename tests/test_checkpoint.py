@@ -397,3 +397,34 @@ def test_cadence_by_steps_and_by_time(monkeypatch):
     assert not by_time.due(3)
     with pytest.raises(CheckpointError, match="every_steps must be >= 1"):
         Cadence(every_steps=0)
+
+
+class _RunsCode:
+    """Unpickled, it would create a file: what a planted pickle could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_planted_metadata_pickle_cannot_run_code(tmp_path):
+    """DCP's ``.metadata`` is a pickle: ddpkit's reader builds DCP's own classes and plain
+    values, nothing else, so a planted one is refused before it runs anything."""
+    import pickle
+
+    from ddpkit.checkpoint import read_model_state
+
+    model = Net()
+    path = Checkpointer(tmp_path / "ckpt").save(collect_state(model=model, step=1), 1)
+    assert read_model_state(path).keys() == model.state_dict().keys()  # the real one reads
+    marker = tmp_path / "ran"
+    (path / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(pickle.UnpicklingError, match=r"io\.open is not part of a DCP "
+                                                     "checkpoint's metadata"):
+        read_model_state(path)
+    assert not marker.exists()
+    # and the verified load skips it as changed since written, never unpickling it
+    assert Checkpointer(tmp_path / "ckpt").load_latest() is None
+    assert not marker.exists()
