@@ -252,11 +252,16 @@ def leaked_segments(pids: set[int]) -> list[str]:
 
 # ---------------------------------------------------------------------- a disk to fill
 @contextlib.contextmanager
-def small_filesystem(size_mib: int = 16) -> Iterator[Path]:
-    """A tmpfs of ``size_mib`` mounted on a fresh directory (needs root), unmounted after."""
+def small_filesystem(size_mib: int = 16, *, size_kib: int | None = None) -> Iterator[Path]:
+    """A tmpfs of ``size_mib`` (or ``size_kib``) mounted on a fresh directory (needs root),
+    unmounted after. Raises ``OSError`` when the mount is refused (no CAP_SYS_ADMIN)."""
     where = Path(tempfile.mkdtemp(prefix="ddpkit-full-"))
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0755", "tmpfs",
-                    str(where)], check=True, capture_output=True)
+    size = f"{size_kib}k" if size_kib is not None else f"{size_mib}m"
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs",
+                              str(where)], check=False, capture_output=True, text=True)
+    if mounted.returncode != 0:
+        where.rmdir()
+        raise OSError(f"mount -t tmpfs refused: {mounted.stderr.strip()}")
     try:
         yield where
     finally:

@@ -428,3 +428,66 @@ def test_a_planted_metadata_pickle_cannot_run_code(tmp_path):
     # and the verified load skips it as changed since written, never unpickling it
     assert Checkpointer(tmp_path / "ckpt").load_latest() is None
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("leave", [0, 4096, 8192, 12288, 16384, 20480])
+def test_a_full_disk_in_any_dcp_write_is_a_disk_full_error_that_crosses_ranks(tmp_path, leave):
+    """Each free space left here fails another write of DCP's: torch's zip writer's short
+    write (a RuntimeError, "unexpected pos"), the data file's own write, ``.metadata``.
+    Each must be a DiskFullError on the rank that wrote, still one after pickling (DCP
+    sends every rank's failure to all), and the save leaves nothing behind."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from chaos_harness import fill, small_filesystem
+    from conftest import skip_unless_required
+    from ddpkit.checkpoint.dcp_files import hashing_writer
+    from ddpkit.durable import DiskFullError
+
+    state = {"model": {"w": torch.randn(64, 64), "b": torch.randn(64)}}
+    try:
+        disk = small_filesystem(size_kib=256)
+        where = disk.__enter__()
+    except OSError as err:
+        skip_unless_required(f"needs a small tmpfs: {err}")
+    try:
+        (where / "raw").mkdir()
+        filler = fill(where, leave)
+        writer, _ = hashing_writer(where / "raw")
+        with pytest.raises(CheckpointException) as caught:
+            dcp.save(state, storage_writer=writer, no_dist=True)
+        (failure,) = caught.value.failures.values()
+        failure = failure[0] if isinstance(failure, tuple) else failure
+        assert isinstance(pickle.loads(pickle.dumps(failure)), DiskFullError), repr(failure)
+        assert "no space left on device writing in" in str(failure)
+
+        filler.unlink()
+        ckpt = Checkpointer(where / "ckpt")
+        fill(where, leave)
+        with pytest.raises(DiskFullError, match=r"to write .*/ckpt/step_000000001: it needs "):
+            ckpt.save(state, 1)
+        assert [p.name for p in (where / "ckpt").iterdir()] == []  # no debris
+    finally:
+        disk.__exit__(None, None, None)
+
+
+def test_which_failed_writes_are_taken_for_a_full_disk(monkeypatch, tmp_path):
+    """ENOSPC anywhere in the chain always; an I/O error of another wording only where
+    next to nothing is free; any other error never."""
+    import errno
+
+    from ddpkit import durable
+
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    short_write = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+    short_write.__context__ = enospc
+    lost_errno = RuntimeError("unexpected pos 704 vs 598")  # as it arrives from another rank
+    for free, expected in ((0, True), (10 << 20, False)):
+        monkeypatch.setattr(durable, "free_bytes", lambda _, free=free: free)
+        assert durable.failed_for_space(short_write, tmp_path)
+        assert durable.failed_for_space(enospc, tmp_path)
+        assert durable.failed_for_space(lost_errno, tmp_path) is expected
+        assert durable.failed_for_space(OSError(errno.EIO, "I/O error"), tmp_path) is expected
+        assert not durable.failed_for_space(TypeError("cannot pickle"), tmp_path)

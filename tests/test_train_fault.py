@@ -12,6 +12,7 @@ trained on exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -246,6 +247,65 @@ def test_full_disk_at_a_checkpoint_is_one_line_no_restart_and_no_debris(tmp_path
         debris = [p.name for p in run.rglob("*") if ".tmp" in p.name]
         assert debris == [] and not (run / "summary.json").exists()
         assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_000000004"]
+
+
+# The default job (digits, MLP 128: model.pt ~40 KB, each rank's DCP file ~51 KB,
+# curves.png ~56 KB; tmpfs counts whole 4 KiB pages) on a tmpfs of each size, so that the
+# first write that finds the disk full is, in turn, each writer's; (size KiB, options,
+# the file the error must name).
+WRITERS = {
+    "probe": (4, [], r"checkpoints"),  # the lock file takes the one page
+    "config": (4, ["--no-checkpoints"], r"config\.json"),
+    "run-log": (8, [], r"(train\.log|metrics\.jsonl)"),
+    "sample-ids": (16, ["--log-sample-ids"], r"sample_ids/rank[01]\.jsonl"),
+    "dcp-parts": (64, [], r"checkpoints/step_000000012"),
+    "model": (40, ["--no-checkpoints"], r"model\.pt"),
+    "curves": (80, ["--no-checkpoints"], r"(summary\.json|curves\.png)"),
+}
+DEFAULT_JOB = ["--nproc-per-node", "2", "--epochs", "2", "--threads", "1", "--no-progress"]
+
+
+def _debris(root: Path) -> list[str]:
+    """What a failed write must not leave: temporaries, checkpoint directories without
+    their manifest, files cut short (a JSON file or a log line that does not parse)."""
+    left = []
+    for path in root.rglob("*"):
+        unfinished = path.is_dir() and path.name.startswith("step_") and not (
+            path / "manifest.json").exists()
+        if ".tmp" in path.name or unfinished:
+            left.append(str(path))
+        elif path.suffix == ".json":
+            try:
+                json.loads(path.read_text())
+            except ValueError:
+                left.append(str(path))
+        elif path.suffix == ".jsonl" and not path.read_text().endswith("\n"):
+            left.append(str(path))  # half a line (an empty log is never created)
+    return left
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_full_disk_in_any_writer_is_one_line_and_final(writer):
+    size_kib, options, named = WRITERS[writer]
+    with contextlib.ExitStack() as stack:
+        try:
+            disk = stack.enter_context(small_filesystem(size_kib=size_kib))
+        except OSError as err:
+            skip_unless_required(f"needs a small tmpfs: {err}")
+        out = disk / "out"
+        code, text = _finish(_start(*DEFAULT_JOB, *options, "--out-dir", str(out),
+                                    "--max-restarts", "2", env=_env()))
+        assert code == EXIT_DISK_FULL, text[-3000:]
+        errors = [line for line in text.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1, text[-3000:]
+        assert re.search(rf"ddpkit train: error: no space left on device (to write|writing "
+                         rf"in) {out}/[^ ]+/{named}\b.*[\d,]+ bytes( \([\d.]+ MiB\))? free "
+                         rf"there", errors[0]), errors[0]
+        assert "Traceback" not in text and not FRAME_DUMP.search(text)
+        assert text.count("run directory:") <= 1  # --max-restarts 2 did not restart into it
+        assert "restart" not in text.lower(), text[-3000:]
+        assert _debris(disk) == []
 
 
 @pytest.mark.chaos
