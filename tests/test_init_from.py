@@ -11,6 +11,8 @@ A checkpoint of another model is one line naming what differs.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -129,3 +131,56 @@ def test_init_from_a_directory_that_is_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match=r"no \.metadata there, so not a torch"):
         run.__enter__()
     assert not list((tmp_path / "run2" / "checkpoints").glob("step_*"))  # nothing trained
+
+
+# ------------------------------------------------------------------ through the CLI
+INIT_JOB = ["--data", "synthetic", "--synthetic-size", "256", "--batch-size", "32",
+            "--epochs", "2", "--hidden", "32", "--threads", "1", "--no-progress",
+            "--nproc-per-node", "2"]
+
+
+@pytest.mark.e2e
+def test_a_rerun_of_an_init_from_command_after_a_preemption_continues_its_own_run(tmp_path):
+    """A scheduler reruns the same ``--init-from`` command line after a preemption: the
+    run continues from its own checkpoint, never from the init weights again. Between
+    the two, the init directory is replaced by another run's weights, so a rerun that
+    took them again would end elsewhere than the uninterrupted run."""
+    import signal
+    import time
+
+    from ddpkit.fault import EXIT_PREEMPTED
+    from test_train_fault import _assert_same_params, _env, _final_params, _finish, _start
+
+    init, other = tmp_path / "init", tmp_path / "other"
+    for run, seed in ((init, "1"), (other, "2")):
+        code, text = _finish(_start(*INIT_JOB, "--epochs", "1", "--seed", seed,
+                                    "--run-dir", str(run), env=_env()))
+        assert code == 0, text[-3000:]
+    command = [*INIT_JOB, "--init-from", str(init), "--checkpoint-every-steps", "4"]
+    whole = tmp_path / "whole"
+    code, text = _finish(_start(*command, "--run-dir", str(whole), env=_env()))
+    assert code == 0, text[-3000:]
+
+    run = tmp_path / "run"
+    proc = _start(*command, "--run-dir", str(run), env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:120"))
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoints" / "step_000000004" / "manifest.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    code, text = _finish(proc, timeout=120)
+    assert code == EXIT_PREEMPTED, text[-3000:]
+
+    shutil.rmtree(init)
+    shutil.copytree(other, init)  # other weights under the same --init-from path
+    code, text = _finish(_start(*command, "--run-dir", str(run), env=_env()))
+    assert code == 0, text[-3000:]
+    assert f"--run-dir {run} holds this run, stopped at step 5: continuing it" in text, text
+    assert "resumed at step 5" in text, text[-3000:]
+    _assert_same_params(run, whole)
+    # The comparison can fail: the same command from the replaced weights ends elsewhere.
+    fresh = tmp_path / "fresh"
+    code, text = _finish(_start(*command, "--run-dir", str(fresh), env=_env()))
+    assert code == 0, text[-3000:]
+    ends, other_end = _final_params(whole), _final_params(fresh)
+    assert any(not torch.equal(ends[k], other_end[k]) for k in ends)
