@@ -270,6 +270,20 @@ def small_filesystem(size_mib: int = 16, *, size_kib: int | None = None) -> Iter
             where.rmdir()
 
 
+@contextlib.contextmanager
+def small_filesystem_or_skip(size_kib: int) -> Iterator[Path]:
+    """:func:`small_filesystem` of ``size_kib``; where no tmpfs can be mounted (not root,
+    no CAP_SYS_ADMIN) the test is skipped, or fails under DDPKIT_REQUIRE_ALL=1."""
+    from conftest import skip_unless_required
+
+    with contextlib.ExitStack() as stack:
+        try:
+            where = stack.enter_context(small_filesystem(size_kib=size_kib))
+        except OSError as err:
+            skip_unless_required(f"needs a small tmpfs: {err}")
+        yield where
+
+
 def can_mount() -> bool:
     return os.geteuid() == 0 and shutil.which("mount") is not None
 

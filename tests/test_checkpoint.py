@@ -145,8 +145,10 @@ def test_run_state_loads_with_plain_torch_weights_only(tmp_path):
 def test_code_in_a_checkpoint_is_refused(tmp_path):
     ckpt = Checkpointer(tmp_path)
     ckpt.save({"payload": Counter(5)}, step=1)  # pickles a class: not weights-only
-    with pytest.raises(CheckpointError, match="refusing to load checkpoint .*weights_only=True"):
+    with pytest.raises(CheckpointError,
+                       match="refusing to load checkpoint .*weights_only=True") as err:
         ckpt.load_latest()
+    assert "weights_only=False" not in str(err.value)  # never torch's advice to retry so
 
 
 def test_damaged_file_loaded_directly_is_one_line(tmp_path):
@@ -441,18 +443,12 @@ def test_a_full_disk_in_any_dcp_write_is_a_disk_full_error_that_crosses_ranks(tm
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from chaos_harness import fill, small_filesystem
-    from conftest import skip_unless_required
+    from chaos_harness import fill, small_filesystem_or_skip
     from ddpkit.checkpoint.dcp_files import hashing_writer
     from ddpkit.durable import DiskFullError
 
     state = {"model": {"w": torch.randn(64, 64), "b": torch.randn(64)}}
-    try:
-        disk = small_filesystem(size_kib=256)
-        where = disk.__enter__()
-    except OSError as err:
-        skip_unless_required(f"needs a small tmpfs: {err}")
-    try:
+    with small_filesystem_or_skip(256) as where:
         (where / "raw").mkdir()
         filler = fill(where, leave)
         writer, _ = hashing_writer(where / "raw")
@@ -469,8 +465,6 @@ def test_a_full_disk_in_any_dcp_write_is_a_disk_full_error_that_crosses_ranks(tm
         with pytest.raises(DiskFullError, match=r"to write .*/ckpt/step_000000001: it needs "):
             ckpt.save(state, 1)
         assert [p.name for p in (where / "ckpt").iterdir()] == []  # no debris
-    finally:
-        disk.__exit__(None, None, None)
 
 
 def test_which_failed_writes_are_taken_for_a_full_disk(monkeypatch, tmp_path):

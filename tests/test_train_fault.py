@@ -12,7 +12,6 @@ trained on exactly once.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -36,6 +35,7 @@ from chaos_harness import (
     marked,
     seconds_until_gone,
     small_filesystem,
+    small_filesystem_or_skip,
     worker_pid,
 )
 from conftest import skip_unless_required
@@ -251,16 +251,22 @@ def test_full_disk_at_a_checkpoint_is_one_line_no_restart_and_no_debris(tmp_path
 
 # The default job (digits, MLP 128: model.pt ~40 KB, each rank's DCP file ~51 KB,
 # curves.png ~56 KB; tmpfs counts whole 4 KiB pages) on a tmpfs of each size, so that the
-# first write that finds the disk full is, in turn, each writer's; (size KiB, options,
-# the file the error must name).
+# first write that finds the disk full is, in turn, each writer's: (size KiB, options,
+# the file the error must name, what it must say to do, {run} the run directory).
+RESUME = "free some space there, then continue the run: ddpkit train --resume {run}"
+REMOVE = ("free some space there, remove {run} (it holds no checkpoint to continue from) "
+          "and start the run again")
+AGAIN = "free some space there and start the run again"
 WRITERS = {
-    "probe": (4, [], r"checkpoints"),  # the lock file takes the one page
-    "config": (4, ["--no-checkpoints"], r"config\.json"),
-    "run-log": (8, [], r"(train\.log|metrics\.jsonl)"),
-    "sample-ids": (16, ["--log-sample-ids"], r"sample_ids/rank[01]\.jsonl"),
-    "dcp-parts": (64, [], r"checkpoints/step_000000012"),
-    "model": (40, ["--no-checkpoints"], r"model\.pt"),
-    "curves": (80, ["--no-checkpoints"], r"(summary\.json|curves\.png)"),
+    # the lock file takes the one page; the trainer is not built yet
+    "probe": (4, [], r"checkpoints", "free some space there and run the same command again"),
+    "config": (4, ["--no-checkpoints"], r"config\.json", AGAIN),
+    "run-log": (8, [], r"(train\.log|metrics\.jsonl)", REMOVE),
+    "sample-ids": (16, ["--log-sample-ids"], r"sample_ids/rank[01]\.jsonl", REMOVE),
+    "dcp-parts": (64, [], r"checkpoints/step_000000012", REMOVE),
+    "dcp-parts-later": (200, [], r"checkpoints/step_000000024", RESUME),  # after step 12's
+    "model": (40, ["--no-checkpoints"], r"model\.pt", AGAIN),
+    "curves": (80, ["--no-checkpoints"], r"(summary\.json|curves\.png)", AGAIN),
 }
 DEFAULT_JOB = ["--nproc-per-node", "2", "--epochs", "2", "--threads", "1", "--no-progress"]
 
@@ -287,12 +293,8 @@ def _debris(root: Path) -> list[str]:
 @pytest.mark.chaos
 @pytest.mark.parametrize("writer", sorted(WRITERS))
 def test_a_full_disk_in_any_writer_is_one_line_and_final(writer):
-    size_kib, options, named = WRITERS[writer]
-    with contextlib.ExitStack() as stack:
-        try:
-            disk = stack.enter_context(small_filesystem(size_kib=size_kib))
-        except OSError as err:
-            skip_unless_required(f"needs a small tmpfs: {err}")
+    size_kib, options, named, advice = WRITERS[writer]
+    with small_filesystem_or_skip(size_kib) as disk:
         out = disk / "out"
         code, text = _finish(_start(*DEFAULT_JOB, *options, "--out-dir", str(out),
                                     "--max-restarts", "2", env=_env()))
@@ -302,6 +304,8 @@ def test_a_full_disk_in_any_writer_is_one_line_and_final(writer):
         assert re.search(rf"ddpkit train: error: no space left on device (to write|writing "
                          rf"in) {out}/[^ ]+/{named}\b.*[\d,]+ bytes( \([\d.]+ MiB\))? free "
                          rf"there", errors[0]), errors[0]
+        (run,) = out.iterdir()
+        assert errors[0].endswith(advice.format(run=run)), errors[0]
         assert "Traceback" not in text and not FRAME_DUMP.search(text)
         assert text.count("run directory:") <= 1  # --max-restarts 2 did not restart into it
         assert "restart" not in text.lower(), text[-3000:]

@@ -155,20 +155,12 @@ def run_sample_log_on_a_full_disk(world, full_dir, roomy_dir):
 
 
 def test_a_full_disk_under_one_ranks_sample_log_ends_every_rank_alike(pools, tmp_path):
-    from chaos_harness import fill, small_filesystem
-    from conftest import skip_unless_required
+    from chaos_harness import fill, small_filesystem_or_skip
 
-    try:
-        disk = small_filesystem(size_kib=64)
-        full = disk.__enter__()
-    except OSError as err:
-        skip_unless_required(f"needs a small tmpfs: {err}")
-    try:
+    with small_filesystem_or_skip(64) as full:
         (full / "sample_ids").mkdir()
         fill(full)
         results = pools(2).run(run_sample_log_on_a_full_disk, str(full), str(tmp_path))
-    finally:
-        disk.__exit__(None, None, None)
     (raised0, text0), (raised1, text1) = results
     assert raised0 == raised1 and raised0 is not None  # the same line on both ranks
     assert raised0.startswith(f"no space left on device to write {full}/sample_ids/rank1.jsonl: "
