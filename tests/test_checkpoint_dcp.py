@@ -89,15 +89,9 @@ def run_format1(world, run_dir, shard):
     return resumed_at, {k: v.clone() for k, v in final.items()}, steps
 
 
-def _continued_without_resume(kind, until):
-    """The reference: the format 1 checkpoint's state, read from its file by hand, trained
-    on to ``until`` here with plain torch (no Run, no resume path). Computed on this CPU,
-    so it compares bits with bits of the same machine."""
-    make = _maker()
-    saved = torch.load(FORMAT1 / kind / "checkpoints" / "step_000000003.pt", weights_only=True)
-    model, opt, sampler, data = make.build("single")
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["optimizer"])
+def _train_on_by_hand(model, opt, sampler, data, saved, until):
+    """make.py's steps after the checkpoint ``saved`` (a format 1 file's dict) up to step
+    ``until``, with plain torch; the weights after them."""
     sampler.set_epoch(saved["sampler"]["epoch"])
     done = saved["sampler"]["position"] // sampler.global_batch_size
     for index, batch in enumerate(sampler.batches()):
@@ -110,6 +104,18 @@ def _continued_without_resume(kind, until):
         F.mse_loss(model(x), y).backward()
         opt.step()
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _continued_without_resume(kind, until):
+    """The reference: the format 1 checkpoint's state, read from its file by hand, trained
+    on to ``until`` here with plain torch (no Run, no resume path). Computed on this CPU,
+    so it compares bits with bits of the same machine."""
+    make = _maker()
+    saved = torch.load(FORMAT1 / kind / "checkpoints" / "step_000000003.pt", weights_only=True)
+    model, opt, sampler, data = make.build("single")
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    return _train_on_by_hand(model, opt, sampler, data, saved, until)
 
 
 def test_a_format1_checkpoint_resumes_bit_for_bit(tmp_path):
@@ -271,18 +277,7 @@ def run_format1_zero_continued_by_hand(world, until):
         state = {key: torch.cat([v for _, v in sorted(parts, key=lambda p: p[0])])
                  .view_as(param).clone() for key, parts in joined[name].items()}
         opt.state[param] = {"step": steps[name].clone(), **state}
-    sampler.set_epoch(saved["sampler"]["epoch"])
-    done = saved["sampler"]["position"] // sampler.global_batch_size
-    for index, batch in enumerate(sampler.batches()):
-        if index < done:
-            continue
-        if index >= until:
-            break
-        x, y = data.tensors[0][batch.indices], data.tensors[1][batch.indices]
-        opt.zero_grad()
-        F.mse_loss(wrapped(x), y).backward()
-        opt.step()
-    return {k: v.clone() for k, v in wrapped.state_dict().items()}
+    return _train_on_by_hand(wrapped, opt, sampler, data, saved, until)
 
 
 @pytest.mark.parametrize("shard", ["none", "optimizer", "gradients", "parameters"])
