@@ -485,3 +485,32 @@ def test_which_failed_writes_are_taken_for_a_full_disk(monkeypatch, tmp_path):
         assert durable.failed_for_space(lost_errno, tmp_path) is expected
         assert durable.failed_for_space(OSError(errno.EIO, "I/O error"), tmp_path) is expected
         assert not durable.failed_for_space(TypeError("cannot pickle"), tmp_path)
+
+
+def test_a_planted_non_tensor_value_in_dcp_data_cannot_run_code(tmp_path):
+    """DCP pickles the values that are not tensors (an optimizer's hyper-parameters)
+    into its data files; ddpkit's load planner reads them with ``weights_only=True``,
+    where DCP's own would run what the pickle says."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ddpkit.checkpoint.dcp_files import SafeLoadPlanner, SafeReader
+
+    marker = tmp_path / "ran"
+    dcp.save({"lr": _RunsCode(marker), "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "c"),
+             no_dist=True)
+    assert not marker.exists()
+    with pytest.raises(CheckpointException) as err:
+        dcp.load({"lr": 0.0, "w": torch.zeros(2)}, storage_reader=SafeReader(tmp_path / "c"),
+                 planner=SafeLoadPlanner(), no_dist=True)
+    (failure,) = err.value.failures.values()
+    failure = failure[0] if isinstance(failure, tuple) else failure
+    assert isinstance(failure, pickle.UnpicklingError) and "io.open" in str(failure), failure
+    assert not marker.exists()
+    # what the test guards against: DCP's default planner runs it
+    dcp.load({"lr": 0.0, "w": torch.zeros(2)}, storage_reader=SafeReader(tmp_path / "c"),
+             planner=DefaultLoadPlanner(), no_dist=True)
+    assert marker.exists()
