@@ -514,3 +514,50 @@ def test_a_planted_non_tensor_value_in_dcp_data_cannot_run_code(tmp_path):
     dcp.load({"lr": 0.0, "w": torch.zeros(2)}, storage_reader=SafeReader(tmp_path / "c"),
              planner=DefaultLoadPlanner(), no_dist=True)
     assert marker.exists()
+
+
+def _load_where_rank1_sees_an_empty_directory(world, directory):
+    """Rank 1 sees ``directory`` as a node without the shared filesystem would: a mount
+    namespace of its own lays an empty tmpfs over it (needs root). The namespace is the
+    loading thread's alone (a mount namespace is per thread once unshared), so the pool
+    worker itself keeps the common view. What each rank raises."""
+    import ctypes
+    import subprocess
+    import threading
+
+    ckpt = Checkpointer(directory)
+    ckpt.save(collect_state(model=Net(), step=3), 3)
+    out: dict[str, object] = {"hidden": False}
+
+    def load() -> None:
+        if world.rank == 1:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.unshare(0x00020000) == 0:  # CLONE_NEWNS
+                subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+                subprocess.run(["mount", "-t", "tmpfs", "tmpfs", directory], check=True)
+                out["hidden"] = True
+        try:
+            ckpt.load_latest()
+            out["said"] = "loaded"
+        except CheckpointError as err:
+            out["said"] = str(err)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    thread.join()
+    return out["hidden"], out["said"]
+
+
+def test_a_rank_that_cannot_see_the_checkpoint_directory_makes_every_rank_raise(
+        pools, tmp_path):
+    from chaos_harness import can_mount
+    from conftest import skip_unless_required
+
+    if not can_mount():
+        skip_unless_required("needs root to give one rank its own view of a directory")
+    results = pools(2).run(_load_where_rank1_sees_an_empty_directory, str(tmp_path / "c"))
+    if not results[1][0]:
+        skip_unless_required("unshare(CLONE_NEWNS) refused")
+    (_, said0), (_, said1) = results
+    assert said0 != "loaded" and said1 != "loaded"  # every rank raised, none waits
+    assert "reported by rank 1" in said0 and "step_000000003" in said1, (said0, said1)
