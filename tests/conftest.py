@@ -54,6 +54,7 @@ LAYERS = {
     "test_shard_layout.py": UNIT,
     "test_topology.py": UNIT,
     "test_train_config.py": UNIT,
+    "test_vocabulary.py": E2E,
     "test_world.py": UNIT,
     "test_checkpoint.py": MULTIPROCESS,
     "test_checkpoint_crash.py": MULTIPROCESS,

@@ -25,7 +25,6 @@ import os
 import sys
 
 ENGINE_ENV = "DDPKIT_ENGINE"
-ENGINES = ("ddpkit", "torch")
 SWAP_MODULE = "ddpkit.parallel.compat.torch_swap"
 
 
@@ -35,6 +34,8 @@ def engine_from_env() -> str | None:
     value = os.environ.get(ENGINE_ENV)
     if value is None or value == "":
         return None
+    from ddpkit.vocabulary import ENGINES
+
     if value not in ENGINES:
         from ddpkit.errors import ConfigError
 

@@ -54,9 +54,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRende
 from torch.distributed.elastic.utils.store import store_timeout
 
 from ddpkit.errors import DdpkitError
+from ddpkit.exit_codes import EXIT_HOST_LOST, EXIT_PEER_LOST
 from ddpkit.host_change import (
     CHANGE_ENV,
-    EXIT_PEER_LOST,
     FINISHED,
     STEP_NOTE_ENV,
     STOPPED,
@@ -69,7 +69,6 @@ from ddpkit.writer_fence import GENERATION_ENV
 
 log = get_logger(__name__)
 
-EXIT_HOST_LOST = 69  # EX_UNAVAILABLE: this host lost the job (or the job lost its store)
 EXIT_WAIT_S = 60.0  # the longest a finished host waits at the exit for a live peer
 _UNREACHABLE = (RendezvousConnectionError, DistNetworkError, DistStoreError)
 _pending: list[BaseException] = []  # raised in the main thread by the fence signal

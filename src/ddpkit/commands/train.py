@@ -186,10 +186,10 @@ def _same_as_before_the_lock(run_dir: Path, decided: Path | None) -> None:
 
 def _launch(args: argparse.Namespace, cfg: Config, opts, run_dir: Path | None,
             resume_dir: Path | None) -> int:
+    from ddpkit.exit_codes import EXIT_PREEMPTED
     from ddpkit.launch import launch
     from ddpkit.log import get_logger
     from ddpkit.train import resume
-    from ddpkit.train.names import EXIT_PREEMPTED
     from ddpkit.train.prelaunch import quiet_omp_warning
 
     if resume_dir is not None:

@@ -39,12 +39,12 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ddpkit.errors import ConfigError, DdpkitError
+from ddpkit.exit_codes import EXIT_HANG
 from ddpkit.log import get_logger
 
 log = get_logger(__name__)
 
 # Exit status of a process the backstop thread ends: the conventional "timed out".
-EXIT_HANG = 124
 _TIMEOUT_WORDS = ("timed out", "timeout", "connection", "closed", "reset by peer", "broken pipe")
 _PEER_LOST_WORDS = ("closed by peer", "reset by peer", "broken pipe", "connection closed")
 # While a guard is armed the backstop thread wakes every TICK_S and stamps a heartbeat.

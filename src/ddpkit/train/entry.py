@@ -21,11 +21,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from ddpkit import host_change
 from ddpkit.checkpoint import CheckpointError
-from ddpkit.durable import EXIT_DISK_FULL, DiskFullError
+from ddpkit.durable import DiskFullError
 from ddpkit.errors import ConfigError, DdpkitError
-from ddpkit.fault import EXIT_HANG, HangError
+from ddpkit.exit_codes import EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_HANG
+from ddpkit.fault import HangError
 from ddpkit.launcher_link import report_final
-from ddpkit.train.divergence import EXIT_DIVERGED, DivergedError
+from ddpkit.train.divergence import DivergedError
 
 # What a restart would only repeat. Not a CommError: a collective that lost a peer that
 # died (the shared-memory engine says so) is what a restart is for.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ddpkit import host_change
-from ddpkit.fault import EXIT_PREEMPTED
+from ddpkit.exit_codes import EXIT_PREEMPTED
 from ddpkit.launcher_link import die_with_launcher
 from ddpkit.loop.inject import step_hooks
 from ddpkit.process_exit import exit_process
