@@ -38,8 +38,8 @@ from chaos_harness import (
     worker_pid,
 )
 from conftest import skip_unless_required
-from ddpkit.durable import EXIT_DISK_FULL
 from ddpkit.fault import EXIT_HANG, EXIT_PREEMPTED
+from ddpkit.files.durable import EXIT_DISK_FULL
 from ddpkit.loop.metrics_log import read_records
 from sample_audit import assert_every_sample_once
 

@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from ddpkit.checkpoint import CheckpointError
 from ddpkit.checkpoint.model_state import unwrap
-from ddpkit.durable import DiskFullError, free_bytes, is_disk_full
+from ddpkit.files.durable import DiskFullError, free_bytes, is_disk_full
+from ddpkit.files.run_lock import RunLock, held_for_us
 from ddpkit.loop.rank0 import cannot_create, decide_on_rank0
 from ddpkit.parallel.zero.sharded_state import state_bytes
-from ddpkit.run_lock import RunLock, held_for_us
 from ddpkit.train import recipe, report
 
 # The trainer these act for (a ddpkit.train.trainer.Trainer, which imports this module).

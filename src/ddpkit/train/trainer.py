@@ -32,7 +32,7 @@ the same point:
   turns into a :class:`HangError` naming it, the step and the collective;
 * a loss or weights that stop being finite end the run before anything is saved from
   them (:mod:`ddpkit.train.divergence`), and a full disk ends it with one
-  :class:`~ddpkit.durable.DiskFullError`; the final weights are on disk before the
+  :class:`~ddpkit.files.durable.DiskFullError`; the final weights are on disk before the
   summary says the run is done.
 """
 
@@ -51,19 +51,19 @@ from ddpkit.checkpoint import Checkpointer, CheckpointError
 from ddpkit.checkpoint.model_state import unwrap
 from ddpkit.data.datasets import ArrayDataset
 from ddpkit.data.partition import ShardBatch
-from ddpkit.durable import DiskFullError, is_disk_full
 from ddpkit.errors import ConfigError
 from ddpkit.fault import PreemptionGuard, Watchdog
+from ddpkit.files.durable import DiskFullError, is_disk_full
+from ddpkit.files.run_lock import RunLock
 from ddpkit.log import get_logger
 from ddpkit.loop import Run
-from ddpkit.run_lock import RunLock
+from ddpkit.runtime.world import World
 from ddpkit.train import progress, recipe, report, run_outputs
 from ddpkit.train.build import Wrap, build_parts
 from ddpkit.train.config import Config
 from ddpkit.train.epoch_state import EpochHistory, EpochSums, refuse_non_finite_record
 from ddpkit.train.metrics import MetricSums, gather_floats
 from ddpkit.train.resume import refuse_changed_config
-from ddpkit.world import World
 
 log = get_logger(__name__)
 
