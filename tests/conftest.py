@@ -42,6 +42,7 @@ LAYERS = {
     "test_doc_links.py": UNIT,
     "test_layers.py": UNIT,
     "test_architecture_table.py": UNIT,
+    "test_private_writes.py": UNIT,
     "test_suite_lists.py": UNIT,
     "test_metric_log.py": UNIT,
     "test_data_datasets.py": UNIT,

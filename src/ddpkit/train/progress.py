@@ -76,8 +76,8 @@ class FileBar:
         self.trainer, self.epoch = trainer, epoch
         self.start = self.last = time.perf_counter()
         # The run's clock starts with its first bar: (time, step) the ETA is measured from.
-        if getattr(trainer, "_progress_clock", None) is None:
-            trainer._progress_clock = (self.start, trainer.run.step)
+        if trainer.progress_clock is None:
+            trainer.progress_clock = (self.start, trainer.run.step)
         self.seen = 0
         try:
             self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
@@ -105,7 +105,7 @@ class FileBar:
         loss = sums.local().loss if sums is not None else float("nan")
         elapsed = now - self.start
         total = getattr(t, "total_steps", None)
-        t0, s0 = t._progress_clock
+        t0, s0 = t.progress_clock
         eta = (total - t.run.step) * (now - t0) / (t.run.step - s0) if (
             total and t.run.step > s0) else None
         record = {"step": t.run.step, "total_steps": total,

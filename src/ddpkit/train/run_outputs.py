@@ -42,7 +42,7 @@ def agree_on_run(trainer: Trainer, run_dir: str | os.PathLike | None) -> str | N
                        f"{recipe.short_name(trainer.cfg.model.name)}-w{trainer.world.world_size}")
                 chosen = str(report.new_run_dir(trainer.cfg.train.out_dir, tag))
             if not held_for_us(chosen):  # no ddpkit launcher holds it for us
-                trainer._lock = RunLock.acquire(chosen)
+                trainer.run_lock = RunLock.acquire(chosen)
         except OSError as err:
             where = run_dir if run_dir is not None else trainer.cfg.train.out_dir
             raise cannot_create(where, err) from None
