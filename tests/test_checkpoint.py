@@ -262,7 +262,7 @@ def test_every_checkpoint_appears_whole_by_rename_never_written_in_place(tmp_pat
     """Atomic write: the step's directory is written under a hidden temporary name (its
     files too, each renamed into place) and the directory renamed to its final name last
     (the commit), so a reader or a crash never sees a half-written checkpoint."""
-    from ddpkit import durable
+    from ddpkit.files import durable
 
     written, renamed = [], []
     real_open, real_replace = open, os.replace
@@ -276,7 +276,7 @@ def test_every_checkpoint_appears_whole_by_rename_never_written_in_place(tmp_pat
         renamed.append((os.path.basename(src), os.path.basename(dst)))
         return real_replace(src, dst)
 
-    # Every file of a checkpoint is written through ddpkit.durable.
+    # Every file of a checkpoint is written through ddpkit.files.durable.
     monkeypatch.setattr(durable, "open", recording_open, raising=False)
     monkeypatch.setattr(durable.os, "replace", recording_replace)
     model, opt, _ = trained()

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import ROOT
 from ddpkit import ConfigError, cli
-from ddpkit.slurm_script import SlurmJob, render, time_limit_seconds, write
+from ddpkit.launcher.slurm_script import SlurmJob, render, time_limit_seconds, write
 from test_multinode import (
     NODE_TIMEOUT_S,
     TRAIN_ARGS,

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from ddpkit import ConfigError, cli, torchrun_args
-from ddpkit.slurm_script import AGENT_SIGNALS, SlurmJob, render, write
+from ddpkit import ConfigError, cli
+from ddpkit.launcher import torchrun_args
+from ddpkit.launcher.slurm_script import AGENT_SIGNALS, SlurmJob, render, write
 from test_multinode import TRAIN_ARGS, assert_same_training, reference_run
 
 JOB_ID = "4343"
@@ -83,7 +84,7 @@ import datetime
 import torch.distributed as dist
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 dist.barrier()
-from ddpkit.world import World
+from ddpkit.runtime.world import World
 world = World.from_env()
 seen["world"] = {"rank": world.rank, "world_size": world.world_size, "source": world.source}
 with open(os.path.join(out, f"trained.rank{seen['RANK']}.json"), "w") as f:

@@ -138,9 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> NoReturn:
     """The ``ddpkit`` program (its console script and ``python -m ddpkit.cli``): ``main``,
     then a success ends without the interpreter's finalization, as every worker does
-    (:mod:`ddpkit.process_exit`): the launcher's agent imported torch, and its teardown
+    (:mod:`ddpkit.runtime.process_exit`): the launcher's agent imported torch, and its teardown
     is work nobody waits for. ``main`` itself returns, for callers in a process of their own."""
-    from ddpkit.process_exit import exit_process
+    from ddpkit.runtime.process_exit import exit_process
 
     exit_process(main())
 

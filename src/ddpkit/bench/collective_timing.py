@@ -273,7 +273,7 @@ def check_config(cfg: BenchConfig) -> None:
 
 
 def run(cfg: BenchConfig) -> BenchResult:
-    from ddpkit.spawn import spawn
+    from ddpkit.runtime.spawn import spawn
 
     check_config(cfg)
     started = time.time()

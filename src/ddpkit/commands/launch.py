@@ -1,7 +1,7 @@
 """``ddpkit launch``: run a script on N local ranks (and M nodes) under torchrun's agent.
 
 Its command line is torchrun's (every flag in both spellings, read by torchrun's own
-parser in ``ddpkit.torchrun_args``), so the subcommand passes everything after
+parser in ``ddpkit.launcher.torchrun_args``), so the subcommand passes everything after
 ``launch`` through untouched.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from ddpkit.launch import LaunchOptions
+from ddpkit.launcher.launch import LaunchOptions
 
 
 def add_launch_options(p: argparse.ArgumentParser, restarts: bool = True) -> None:
@@ -79,6 +79,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ddpkit.launch import launch_argv
+    from ddpkit.launcher.launch import launch_argv
 
     return launch_argv(args.torchrun_argv)

@@ -6,7 +6,7 @@
 --launcher srun (default): one task per GPU, World from SLURM's variables.
 --launcher torchrun: one task per node running torchrun's agent (ddpkit launch), c10d
 rendezvous on the first node, --max-restarts per node. Both requeue on preemption
-(see ddpkit.slurm_script and docs/multinode.md for when to choose which).
+(see ddpkit.launcher.slurm_script and docs/multinode.md for when to choose which).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ddpkit.slurm_script import DEFAULT_RESTARTS, LAUNCHERS, SlurmJob, write
+from ddpkit.launcher.slurm_script import DEFAULT_RESTARTS, LAUNCHERS, SlurmJob, write
 
 DESCRIPTION = """\
 Write an sbatch script that runs a ddpkit job on N nodes x G GPUs, then submit it:

@@ -1,7 +1,7 @@
 """``ddpkit train``: the main job - synchronous data-parallel SGD on real data.
 
 Run plainly, it launches itself on N local processes through torchrun's agent
-(``ddpkit.launch``; default one per GPU, or 2 on CPU) with ``python -m
+(``ddpkit.launcher.launch``; default one per GPU, or 2 on CPU) with ``python -m
 ddpkit.train.worker``. Run under a launcher (torchrun, srun, mpirun) it is one worker.
 Options, the config file, the data and a run to resume are checked here, before any
 process starts.
@@ -26,8 +26,8 @@ from pathlib import Path
 
 from ddpkit.commands.launch import add_launch_options, options_from_args
 from ddpkit.errors import ConfigError
-from ddpkit.launcher_link import child_pids
-from ddpkit.run_lock import RunLock
+from ddpkit.files.run_lock import RunLock
+from ddpkit.runtime.launcher_link import child_pids
 from ddpkit.train.config import Config, resolve
 from ddpkit.train.options import add_run_options, add_train_options, config_from_args
 
@@ -117,15 +117,15 @@ def _finished_since(run_dir: Path, started: float) -> bool:
 def run(args: argparse.Namespace) -> int:
     # Imports that need torch wait until they are needed: the launching process of a
     # default run never imports it (the workers do).
-    from ddpkit.launch import default_nproc
+    from ddpkit.launcher.launch import default_nproc
+    from ddpkit.runtime.world import World
     from ddpkit.train import resume
     from ddpkit.train.prelaunch import check_data, check_launch, check_world_size
-    from ddpkit.world import World
 
     # Only who started this process matters here, not its devices (which need torch).
     if World.from_env(require_master_addr=False, accelerator="cpu",
                       device_count=0).source != "single":
-        from ddpkit.process_exit import exit_process
+        from ddpkit.runtime.process_exit import exit_process
         from ddpkit.train.worker import run_from_args
 
         # One worker of a job some launcher started (torchrun, srun, mpirun); it ends as
@@ -187,7 +187,7 @@ def _same_as_before_the_lock(run_dir: Path, decided: Path | None) -> None:
 def _launch(args: argparse.Namespace, cfg: Config, opts, run_dir: Path | None,
             resume_dir: Path | None) -> int:
     from ddpkit.exit_codes import EXIT_PREEMPTED
-    from ddpkit.launch import launch
+    from ddpkit.launcher.launch import launch
     from ddpkit.log import get_logger
     from ddpkit.train import resume
     from ddpkit.train.prelaunch import quiet_omp_warning
@@ -205,7 +205,7 @@ def _launch(args: argparse.Namespace, cfg: Config, opts, run_dir: Path | None,
     if run_dir is not None:
         argv += ["--resume" if resume_dir is not None else "--run-dir", str(run_dir)]
     opts.module = True
-    opts.plain_terminal = True  # a person reads this terminal (ddpkit.launch)
+    opts.plain_terminal = True  # a person reads this terminal (ddpkit.launcher.launch)
     quiet_omp_warning(opts)
     started = time.time()
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -27,11 +27,11 @@ from ddpkit.data.datasets import ArrayDataset, load_dataset
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
 from ddpkit.parallel import data_parallel
+from ddpkit.runtime.world import World
 from ddpkit.train import recipe
 from ddpkit.train.config import Config
 from ddpkit.train.models import builtin_model
 from ddpkit.vocabulary import OPTIMIZERS
-from ddpkit.world import World
 
 # A user's own wrapper in place of the engine: ``wrap(module, engine_name, device)``.
 Wrap = Callable[[nn.Module, str, torch.device], nn.Module]

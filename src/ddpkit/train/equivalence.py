@@ -34,11 +34,12 @@ import torch.nn.functional as F
 
 from ddpkit.data.datasets import ArrayDataset
 from ddpkit.errors import ConfigError
-from ddpkit.launcher_link import die_with_launcher
 from ddpkit.parallel.exact.exact_sum32 import choose_format, make_mean
 from ddpkit.parallel.exact.slices import slice_rng
-from ddpkit.process_exit import exit_process
-from ddpkit.runtime import distributed
+from ddpkit.runtime.launcher_link import die_with_launcher
+from ddpkit.runtime.process_exit import exit_process
+from ddpkit.runtime.process_group import distributed
+from ddpkit.runtime.world import World
 from ddpkit.train.build import Parts, Wrap, build_parts, load_data
 from ddpkit.train.config import Config
 from ddpkit.train.entry import run_entry
@@ -50,7 +51,6 @@ from ddpkit.train.options import (
     config_from_args,
 )
 from ddpkit.train.trainer import Trainer, unwrap
-from ddpkit.world import World
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # Rounding budget per step, in units of the dtype's epsilon x the largest weight. Summing

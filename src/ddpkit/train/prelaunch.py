@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 
 from ddpkit.errors import ConfigError
+from ddpkit.launcher.torchrun_args import cpu_only_torch, default_nproc
 from ddpkit.slice_count import check_slices
-from ddpkit.torchrun_args import cpu_only_torch, default_nproc
 from ddpkit.train import recipe
 from ddpkit.train.config import Config
 

@@ -17,10 +17,10 @@ import torch.distributed as dist
 
 from ddpkit.checkpoint import CheckpointError
 from ddpkit.checkpoint.model_state import unwrap
-from ddpkit.durable import DiskFullError, free_bytes, is_disk_full
+from ddpkit.files.durable import DiskFullError, free_bytes, is_disk_full
+from ddpkit.files.run_lock import RunLock, held_for_us
 from ddpkit.loop.rank0 import cannot_create, decide_on_rank0
 from ddpkit.parallel.zero.sharded_state import state_bytes
-from ddpkit.run_lock import RunLock, held_for_us
 from ddpkit.train import recipe, report
 
 # The trainer these act for (a ddpkit.train.trainer.Trainer, which imports this module).
@@ -42,7 +42,7 @@ def agree_on_run(trainer: Trainer, run_dir: str | os.PathLike | None) -> str | N
                        f"{recipe.short_name(trainer.cfg.model.name)}-w{trainer.world.world_size}")
                 chosen = str(report.new_run_dir(trainer.cfg.train.out_dir, tag))
             if not held_for_us(chosen):  # no ddpkit launcher holds it for us
-                trainer._lock = RunLock.acquire(chosen)
+                trainer.run_lock = RunLock.acquire(chosen)
         except OSError as err:
             where = run_dir if run_dir is not None else trainer.cfg.train.out_dir
             raise cannot_create(where, err) from None

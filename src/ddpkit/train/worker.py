@@ -24,12 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit import host_change
+from ddpkit.elastic import host_change
 from ddpkit.exit_codes import EXIT_PREEMPTED
-from ddpkit.launcher_link import die_with_launcher
 from ddpkit.loop.inject import step_hooks
-from ddpkit.process_exit import exit_process
-from ddpkit.runtime import distributed
+from ddpkit.runtime.launcher_link import die_with_launcher
+from ddpkit.runtime.process_exit import exit_process
+from ddpkit.runtime.process_group import distributed
 from ddpkit.train import host_report
 from ddpkit.train.config import Config
 from ddpkit.train.entry import run_entry

@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_engine_option(parser: argparse.ArgumentParser) -> None:
     """ddpkit's one option of its own: what torch's DistributedDataParallel and CPU
     collectives are in the workers (DDPKIT_ENGINE, which sets its default)."""
-    from ddpkit.engine_hook import engine_from_env
+    from ddpkit.launcher.engine_choice import engine_from_env
     from ddpkit.vocabulary import ENGINES
 
     parser.add_argument(

@@ -7,7 +7,7 @@ after: benchmarks/RESULTS-history.md, start-up; the launcher's own process:
 benchmarks/RESULTS.md, "The suite under 10 minutes"). What finalization would do that
 matters is done first: non-daemon threads finish, ``atexit`` handlers run (logging's
 flush, ``weakref.finalize`` callbacks and ddpkit's own teardown among them, which
-destroys the process groups first: :mod:`ddpkit.lifetime`), stdout and stderr are
+destroys the process groups first: :mod:`ddpkit.runtime.lifetime`), stdout and stderr are
 flushed. Everything else the OS reclaims.
 
 Used by every worker of ``ddpkit train``/``ddpkit verify`` and by the ``ddpkit`` command
