@@ -179,7 +179,6 @@ def test_a_run_that_finishes_while_the_same_command_starts_is_not_continued(
         capsys, run_copy, monkeypatch):
     # The first command still held the lock when the second looked at the directory, and
     # finished before the second took it.
-    from ddpkit.commands import train
     from ddpkit.files.run_lock import RunLock
 
     summary = (run_copy / "summary.json").read_text()
@@ -190,7 +189,7 @@ def test_a_run_that_finishes_while_the_same_command_starts_is_not_continued(
         (run_copy / "summary.json").write_text(summary)
         return real_acquire(run_dir, *args, **kwargs)
 
-    monkeypatch.setattr(train.RunLock, "acquire", first_finishes_meanwhile)
+    monkeypatch.setattr(RunLock, "acquire", first_finishes_meanwhile)
     _fails_in_one_line(capsys, ["--run-dir", str(run_copy)], "holds a finished run")
     assert not (run_copy / ".ddpkit-lock").exists()  # released
 

@@ -64,6 +64,7 @@ from ddpkit.train.config import Config
 from ddpkit.train.epoch_state import EpochHistory, EpochSums, refuse_non_finite_record
 from ddpkit.train.metrics import MetricSums, gather_floats
 from ddpkit.train.resume import refuse_changed_config
+from ddpkit.train.run_plan import RunPlan
 
 log = get_logger(__name__)
 
@@ -107,7 +108,7 @@ class Trainer:
         self.run_lock: RunLock | None = None  # rank 0's hold on the run directory
         # (time, step) the progress ETA is measured from: set by the first bar
         self.progress_clock: tuple[float, int] | None = None
-        run_dir = run_outputs.agree_on_run(self, run_dir)
+        run_dir = run_outputs.agree_on_run(self, RunPlan(Path(run_dir) if run_dir else None))
         self.run_dir = Path(run_dir) if write else None
 
         t, c = cfg.train, cfg.checkpoint
