@@ -68,6 +68,26 @@ from ddpkit.train.run_plan import RunPlan
 
 log = get_logger(__name__)
 
+def slice_step(model, slices, scale: float,
+               precision: recipe.Precision) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact mode's step (docs/exact.md) over ``slices``, ``(inputs, labels, real mask)``
+    triples from ``model.slices`` (or the one-process reference's): each slice's loss is
+    its real samples' sum times ``scale`` (``V / real samples in the global batch``); the
+    engine averages over the V slices, so the gradient is the mean over the global
+    batch, as in the default mode. Returns the real samples' losses and hits."""
+    all_losses, all_correct = [], []
+    for xs, ys, real_s in slices:
+        # A slice's real samples come first (the padding is at the batch's end).
+        n = int(real_s.sum())
+        with precision.autocast():
+            out = model(xs)
+        losses = F.nll_loss(precision.full(out), ys, reduction="none")[:n]
+        precision.backward(losses.sum() * scale)
+        all_losses.append(losses.detach())
+        all_correct.append(out[:n].argmax(dim=1) == ys[:n])
+    return torch.cat(all_losses), torch.cat(all_correct)
+
+
 class Trainer:
     """Build data, model, engine and optimizer from a :class:`Config`; ``fit()`` trains.
 
@@ -273,24 +293,11 @@ class Trainer:
                             clip_with=self.model.clip_grad_norm_ if self.sharded else None)
 
     def _exact_step(self, batch: ShardBatch, sums: MetricSums) -> None:
-        """Exact mode: the batch's forward/backward slice by slice (docs/exact.md).
-        Each slice's loss is its real samples' sum times ``V / real samples in the
-        global batch``; the engine averages over the V slices, so the gradient is the
-        mean over the global batch, as in the default mode."""
+        """Exact mode: the batch's forward/backward slice by slice (:func:`slice_step`)."""
         x, y = self.train_set.batch(batch.indices)
         real = torch.arange(len(batch.indices), device=self.device) < batch.num_real
-        scale = self.parts.slices / batch.global_num_real
-        all_losses, all_correct = [], []
-        for xs, ys, real_s in self.model.slices(x, y, real):
-            # A slice's real samples come first (the padding is at the batch's end).
-            n = int(real_s.sum())
-            with self.precision.autocast():
-                out = self.model(xs)
-            losses = F.nll_loss(self.precision.full(out), ys, reduction="none")[:n]
-            self.precision.backward(losses.sum() * scale)
-            all_losses.append(losses.detach())
-            all_correct.append(out[:n].argmax(dim=1) == ys[:n])
-        sums.add(torch.cat(all_losses), torch.cat(all_correct))
+        sums.add(*slice_step(self.model, self.model.slices(x, y, real),
+                             self.parts.slices / batch.global_num_real, self.precision))
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
