@@ -34,7 +34,8 @@ epsilon. Exit status 0 on PASS, 1 on FAIL.
 def register(sub) -> None:
     p = sub.add_parser("verify", help="check W processes train exactly like 1 process",
                        description=DESCRIPTION)
-    add_train_options(p, exclude=NOT_FOR_VERIFY)
+    add_train_options(p, exclude=tuple(NOT_FOR_VERIFY))
+    p.not_taken = NOT_FOR_VERIFY  # a one-line answer instead of "unrecognized arguments"
     add_verify_options(p)
     add_launch_options(p, restarts=False)
     p.set_defaults(func=run)
