@@ -187,3 +187,13 @@ def test_a_mistake_is_one_line_naming_the_command_and_the_option(argv, line, cap
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(line), err
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_verify_refuses_a_config_file_that_sets_what_it_leaves_out(tmp_path, capsys, clean_env):
+    config = tmp_path / "run.toml"
+    config.write_text('[train]\nprecision = "bf16"\n')
+    assert cli.main(["verify", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("ddpkit verify: error: ddpkit verify compares plain optimizer "
+                          "steps: leave out "), err
