@@ -227,3 +227,14 @@ def test_placeholders_become_values_that_parse():
         "ddpkit", "launch", "--nnodes", "2", "--rdzv-endpoint", "2:29400", "x"]
     assert substitute("--rdzv-endpoint H:P --lr-schedule constant|cosine").split() == [
         "--rdzv-endpoint", "2", "--lr-schedule", "constant"]
+
+
+def test_no_page_shows_an_old_process_count_spelling():
+    """The prose too (a flag named alone is no command line): one name per idea."""
+    old = re.compile(r"(?<![\w-])(--nproc|--tasks-per-node)(?![\w-])")
+    shown = [f"{page.name}:{n}: {m.group(1)}" for page in pages()
+             for n, line in enumerate(page.read_text().splitlines(), 1)
+             for m in old.finditer(line)]
+    assert shown == []
+    assert old.search("`--nproc 2`") and old.search("--tasks-per-node N")
+    assert not old.search("--nproc-per-node --ntasks-per-node --nproc_per_node")
