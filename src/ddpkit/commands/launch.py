@@ -10,14 +10,6 @@ from __future__ import annotations
 import argparse
 
 from ddpkit.launcher.launch import LaunchOptions
-from ddpkit.launcher.torchrun_args import add_launch_options as add_launch_options_of_torchrun
-
-
-def add_launch_options(p: argparse.ArgumentParser, restarts: bool = True) -> None:
-    """The launch options of `train` and `verify` (which launch themselves), declared
-    once in :data:`ddpkit.launcher.torchrun_args.LAUNCH_OPTIONS`; ``restarts``: whether
-    --max-restarts applies (a verification is not resumed)."""
-    add_launch_options_of_torchrun(p, leave_out=() if restarts else ("--max-restarts",))
 
 
 def options_from_args(args) -> LaunchOptions:
