@@ -3,7 +3,7 @@
 tests/test_docs.py runs the shell blocks it can run here; this test reads every command
 line of README.md and docs/*.md, run or not (a two-node command, a GPU command, a table
 row, an inline code span), and parses it: with ``ddpkit.cli``'s parser, and for
-``ddpkit launch`` also with torchrun's parser (``ddpkit.torchrun_args``), and for
+``ddpkit launch`` also with torchrun's parser (``ddpkit.launcher.torchrun_args``), and for
 ``ddpkit slurm ... -- train ARGS`` also the ``ddpkit train ARGS`` it runs. A command that
 parses but uses an old flag spelling (a note on stderr) fails too.
 
@@ -27,7 +27,8 @@ Placeholders, replaced before parsing (``substitute``):
 
 * ``...`` and ``…``: dropped (more of the same); in a ``ddpkit launch`` line that names
   no script, they stand for the script and its arguments (``script.py``);
-* ``ARGS``: dropped (a program's own arguments);
+* ``ARGS``: dropped (a program's own arguments); ``--foo``: dropped (the flag one is
+  about to add, in architecture.md's how-to);
 * ``[X]`` -> ``X`` and ``A|B`` (``A\\|B`` in a table) -> ``A``: the synopsis is checked
   with its optional parts given, first choice taken;
 * ``<anything>`` -> ``x``, ``$NAME`` -> ``2``, and a word in capitals (``N``, ``K``,
@@ -47,8 +48,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from ddpkit import cli, torchrun_args
+from ddpkit import cli
 from ddpkit.errors import DdpkitError
+from ddpkit.launcher import torchrun_args
 
 COMMAND_LANGS = {"", "sh", "bash", "text", "console"}
 FENCE = re.compile(r"^\s*```(\S*)\s*$")
@@ -71,7 +73,7 @@ def pages() -> list[Path]:
 def substitute(text: str) -> str:
     """The placeholders of a shown command line, replaced by values that parse."""
     text = text.replace("\\|", "|").replace("…", " ").replace("...", " ")
-    text = re.sub(r"(?<![\w-])ARGS(?![\w-])", " ", text)
+    text = re.sub(r"(?<![\w-])(ARGS|--foo)(?![\w-])", " ", text)
     text = re.sub(r"<[^<>]*>", "x", text)
     text = re.sub(r"\$\{?\w+\}?", "2", text)
     text = re.sub(r"\[([^\[\]]*)\]", r" \1 ", text)
