@@ -39,6 +39,7 @@ LAYERS = {
     "test_bad_inputs.py": UNIT,
     "test_checkpoint_damage.py": UNIT,
     "test_cli.py": UNIT,
+    "test_doc_commands.py": UNIT,
     "test_doc_links.py": UNIT,
     "test_layers.py": UNIT,
     "test_architecture_table.py": UNIT,

@@ -231,7 +231,7 @@ def test_script_arguments_are_not_expanded_by_the_batch_shell(tmp_path, fake_slu
     (["--launcher", "torchrun", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
 ])
 def test_cli_rejects_bad_launcher_options_in_one_line(tmp_path, capsys, args, message):
-    assert cli.main(["slurm", "--script", str(tmp_path / "x.sbatch"), "--nodes", "2",
+    assert cli.main(["slurm", "--out", str(tmp_path / "x.sbatch"), "--nodes", "2",
                      "--gpus-per-node", "4", *args, "--", "train"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ddpkit slurm: error: ") and message in lines[0]

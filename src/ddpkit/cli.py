@@ -112,6 +112,11 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argp
         parser.error(f"unknown option {first.split('=')[0]}: options go after the command "
                      f"(ddpkit COMMAND {first}); commands: {', '.join(COMMANDS)}")
     args, extra = parser.parse_known_args(argv)
+    not_taken = getattr(args._parser, "not_taken", {})  # flags a command leaves out, and why
+    for word in extra:
+        flag = word.split("=")[0]
+        if flag in not_taken:
+            args._parser.error(f"{flag} is not a {args._parser.prog} option: {not_taken[flag]}")
     if extra:
         words = " ".join(extra)
         args._parser.error(f"unrecognized arguments: {words}")

@@ -24,8 +24,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ddpkit.commands.launch import add_launch_options, options_from_args
+from ddpkit.commands.launch import options_from_args
 from ddpkit.errors import ConfigError
+from ddpkit.launcher.torchrun_args import add_launch_options
 from ddpkit.runtime.launcher_link import child_pids
 from ddpkit.train import report
 from ddpkit.train.config import Config

@@ -12,7 +12,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from ddpkit.commands.launch import add_launch_options, options_from_args
+from ddpkit.commands.launch import options_from_args
+from ddpkit.launcher.torchrun_args import add_launch_options
 from ddpkit.train.options import (
     NOT_FOR_VERIFY,
     add_train_options,
@@ -34,9 +35,10 @@ epsilon. Exit status 0 on PASS, 1 on FAIL.
 def register(sub) -> None:
     p = sub.add_parser("verify", help="check W processes train exactly like 1 process",
                        description=DESCRIPTION)
-    add_train_options(p, exclude=NOT_FOR_VERIFY)
+    add_train_options(p, exclude=tuple(NOT_FOR_VERIFY))
+    p.not_taken = NOT_FOR_VERIFY  # a one-line answer instead of "unrecognized arguments"
     add_verify_options(p)
-    add_launch_options(p, restarts=False)
+    add_launch_options(p, leave_out=("--max-restarts",))  # a verification is not resumed
     p.set_defaults(func=run)
 
 
