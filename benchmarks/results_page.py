@@ -45,7 +45,7 @@ class Row:
 
 def _ddp(r):
     return (f"**{cell(r, 'ddpkit / torch DDP', unit='x')}** torch DDP's step; "
-            f"{cell(r, 'ddpkit / compute ceiling', unit='x')} the compute ceiling "
+            f"{cell(r, 'ddpkit / compute ceiling', unit='x')} the compute ceiling's step "
             f"(torch DDP: {cell(r, 'torch DDP / compute ceiling', unit='x')})")
 
 
@@ -84,7 +84,7 @@ def _checkpoint(r):
 def _elastic(r):
     ok = sum(x.get("runs ok", 0) for x in r)
     return (f"lost host survived in {ok:.0f}/{len(r)} runs: **"
-            f"{cell(r, 'to resumed s', '{:.1f}', ' s')}** from the loss to training again")
+            f"{cell(r, 'to training s', '{:.1f}', ' s')}** from the kill to training again")
 
 
 def _chaos(r):
@@ -212,7 +212,8 @@ ABOUT = {
     "ddp-step":
         "One training step (zero_grad, forward, backward, SGD) of an 8.4M-parameter MLP, "
         "batch 64 per rank, 2 gloo ranks, 1 thread each; the variants run side by side in "
-        "the same processes, in turns, in a fresh order each time (`benchmarks/ddp_step.py`). The "
+        "the same processes, taking turns in a fresh order (`benchmarks/ddp_step.py`); a run "
+        "is one turn: the median of its 3 timed steps per variant, 5 turns. The "
         "compute ceiling is the same step on 2 processes that never communicate (they "
         "still share the machine's memory bandwidth). Ratios are step times: below 1 is "
         "faster. \"parameters == torch DDP\": 1 when ddpkit's parameters were bitwise torch "
@@ -249,7 +250,8 @@ ABOUT = {
         "`load_latest` + `restore_state`: DCP files plus RNG states, a hashed manifest, "
         "every hash checked on load) and by torch's `dcp.save` / `dcp.load` of the "
         "module's and optimizer's state dicts, taking turns (`benchmarks/checkpoint_dcp.py`); "
-        "rank 0's clock between barriers. [docs/checkpoints.md](../docs/checkpoints.md).",
+        "rank 0's clock between barriers. A run is one save and one load of each way, 4 "
+        "in the same processes. [docs/checkpoints.md](../docs/checkpoints.md).",
     "elastic":
         "Three test hosts (network namespaces on one switch) run `ddpkit train --nnodes "
         "2:3` in exact mode; after step 34 every process of host 3 is killed "
