@@ -98,8 +98,8 @@ def _tests(r):
             f"timed {SUITE_TIMED}")
 
 
-SUITE_TIMED = ("2026-11-28 at 8923149 (not in this sitting: the lead's fresh-clone CI "
-               "run, `./.ci/run`): 1040 passed, pytest 10 min 15 s")
+SUITE_TIMED = ("2026-11-28 10:01-10:13 UTC (not in this sitting; a fresh clone's `./.ci/run`): "
+               "1040 passed, pytest 10 min 15 s")
 
 ROWS = (
     Row("ddp-step", "DDP step (8.4M MLP, 2 ranks): against torch DDP and the compute ceiling",
@@ -166,12 +166,17 @@ TITLES = {"ddp-step": "DDP step", "all-reduce": "All-reduce", "zero": "ZeRO",
           "gpu-check": "GPU check"}
 
 
+def _num(v: float) -> str:
+    """Three or four significant digits, never an exponent."""
+    return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3f}"
+
+
 def _figures(runs: list[dict]) -> list[str]:
     names = list(dict.fromkeys(k for r in runs for k in r))
     lines = ["| figure | median | min | max | runs |", "|---|---|---|---|---|"]
     for name in names:
         med, lo, hi, n = stats(runs, name)
-        lines.append(f"| {name} | {med:.4g} | {lo:.4g} | {hi:.4g} | {n} |")
+        lines.append(f"| {name} | {_num(med)} | {_num(lo)} | {_num(hi)} | {n} |")
     return lines
 
 
@@ -213,7 +218,7 @@ ABOUT = {
         "One training step (zero_grad, forward, backward, SGD) of an 8.4M-parameter MLP, "
         "batch 64 per rank, 2 gloo ranks, 1 thread each; the variants run side by side in "
         "the same processes, taking turns in a fresh order (`benchmarks/ddp_step.py`); a run "
-        "is one turn: the median of its 3 timed steps per variant, 5 turns. The "
+        "is one turn: the median of its timed steps of each variant. The "
         "compute ceiling is the same step on 2 processes that never communicate (they "
         "still share the machine's memory bandwidth). Ratios are step times: below 1 is "
         "faster. \"parameters == torch DDP\": 1 when ddpkit's parameters were bitwise torch "
@@ -269,9 +274,9 @@ ABOUT = {
         "shared-memory segment left, only loopback sockets, no traceback storm. Row by "
         "row: [docs/reliability.md](../docs/reliability.md).",
     "tests":
-        "The count is pytest's collection of `tests/` now. The suite's time is not taken "
-        "here (a full run is the lead's, on a fresh clone, `./.ci/run`): " + SUITE_TIMED
-        + " of wall, 1014 + 148 CPU-s.",
+        "The count is pytest's collection of `tests/` in this sitting. The suite is not "
+        "run here (it needs the whole machine for 10 minutes); its last full run: "
+        + SUITE_TIMED + ", `./.ci/run` 689 s of wall, 1014 + 148 CPU-s.",
 }
 
 # The GPU check's last run, kept as measured (no GPU here to rerun it).
