@@ -36,6 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "benchmarks", "RESULTS-data.json")
 PY = sys.executable
 Figures = dict[str, float]
+PEER = "{peer}"  # the --peer-python
+PEER_BENCH = "/work/shared/tools/peer_shm_bench.py"
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class Question:
     argv: tuple[str, ...]  # "{out}" stands for a fresh scratch directory per run
     runs: int  # fresh launches of argv; each parse may give several runs' figures
     parse: Callable[[str, str], list[Figures]]  # (stdout, scratch dir) -> runs' figures
+    env: tuple[tuple[str, str], ...] = ()  # set for the command, beside OMP_NUM_THREADS=1
 
 
 # ------------------------------------------------------------------- parsers
@@ -159,6 +162,28 @@ def parse_chaos(out: str, _scratch: str) -> list[Figures]:
     return [{"scenarios": total, "as required": total - bad, "wall s": seconds}]
 
 
+PEER_ROW = re.compile(r"^\s*(\d+) B (.*)$")
+
+
+def parse_peer(out: str, _scratch: str) -> list[Figures]:
+    """peer_shm_bench.py's lines: ``1024 B gloo=1788us(1.0x) deepspeed_shm=12us(155.1x) ...``."""
+    figs: Figures = {}
+    for line in out.splitlines():
+        found = PEER_ROW.match(line)
+        if found and int(found.group(1)) in ALL_REDUCE_SIZES:
+            size = ALL_REDUCE_SIZES[int(found.group(1))]
+            times = dict(re.findall(r"(\w+)=(\d+)us", found.group(2)))
+            if "!WRONG" in line:
+                raise ValueError(f"peer benchmark: a wrong all-reduce result at {size}")
+            ours, theirs = float(times["ddpkit_default"]), float(times["deepspeed_shm"])
+            figs.update({f"{size} gloo us": float(times["gloo"]),
+                         f"{size} DeepSpeed us": theirs, f"{size} ddpkit us": ours,
+                         f"{size} ddpkit / DeepSpeed": ours / max(theirs, 1.0)})
+    if not figs:
+        raise ValueError("no size line in the peer benchmark's output")
+    return [figs]
+
+
 def parse_tests(out: str, _scratch: str) -> list[Figures]:
     found = re.search(r"^(\d+) tests? collected", out, re.M)
     if not found:
@@ -188,6 +213,10 @@ QUESTIONS: tuple[Question, ...] = (  # quick and side-by-side first, the long ru
                          "--repeats", "3"), 1, parse_elastic),
     Question("frameworks", (PY, "benchmarks/frameworks.py", "--repeats", "1",
                             "--all-reduce-calls", "50"), 3, parse_frameworks),
+    # DeepSpeed is no dependency: PEER stands for a Python that has it (--peer-python)
+    Question("peer", (PEER, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                      "2", PEER_BENCH, "float32"), 3, parse_peer,
+             env=(("LOCAL_SIZE", "2"), ("DS_ACCELERATOR", "cpu"))),
     Question("chaos", (PY, "benchmarks/chaos.py", "--runs", "1"), 1, parse_chaos),
 )
 
@@ -195,30 +224,32 @@ QUESTIONS: tuple[Question, ...] = (  # quick and side-by-side first, the long ru
 # ------------------------------------------------------------------- running
 def shown(argv: tuple[str, ...]) -> str:
     """The command as a reader types it from the repository root."""
-    return shlex.join("python" if a == PY else a.replace("{out}", "OUT") for a in argv)
+    return shlex.join("python" if a == PY else "PEER_PYTHON" if a == PEER else
+                      a.replace("{out}", "OUT") for a in argv)
 
 
 def utc() -> str:
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
-def run_question(q: Question, echo=print) -> dict:
+def run_question(q: Question, echo=print, peer: str | None = None) -> dict:
     runs: list[Figures] = []
     load = [os.getloadavg()[0]]
     started, began = utc(), time.monotonic()
     for i in range(q.runs):
         with tempfile.TemporaryDirectory(prefix=f"ddpkit-results-{q.key}-") as scratch:
-            argv = [a.replace("{out}", scratch) for a in q.argv]
+            argv = [peer if a == PEER else a.replace("{out}", scratch) for a in q.argv]
             echo(f"[{q.key} {i + 1}/{q.runs}] {shown(q.argv)}")
             proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", **dict(q.env)})
             # the chaos run exits 1 when a scenario was not as required: still a result
             if proc.returncode != 0 and not (q.key == "chaos" and proc.returncode == 1):
                 raise RuntimeError(f"[{q.key}] exit {proc.returncode}: {shown(q.argv)}\n"
                                    f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
             runs += q.parse(proc.stdout, scratch)
         load.append(os.getloadavg()[0])
-    return {"command": shown(q.argv), "launches": q.runs, "started": started,
+    env = " ".join(f"{k}={v}" for k, v in q.env)
+    return {"command": f"{env} {shown(q.argv)}".strip(), "launches": q.runs, "started": started,
             "wall_s": round(time.monotonic() - began, 1), "load": [min(load), max(load)],
             "runs": runs}
 
@@ -257,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--render", action="store_true", help="only rewrite the page from --data")
     p.add_argument("--data", default=DATA, help="the figures (default: %(default)s)")
     p.add_argument("--page", default=results_page.RESULTS, help="default: %(default)s")
+    p.add_argument("--peer-python", default=os.environ.get("DDPKIT_PEER_PYTHON"),
+                   help="a Python with DeepSpeed (and torch, ddpkit) for the peer row; "
+                        "without it that row keeps its last figures")
     args = p.parse_args(argv)
     chosen = list(QUESTIONS)
     if args.only:
@@ -277,18 +311,22 @@ def main(argv: list[str] | None = None) -> int:
     data["machine"] = machine()
     began = time.monotonic()
     failed = []
+    if not args.peer_python:
+        chosen = [q for q in chosen if q.key != "peer"]
+        print("run_all: no --peer-python: the DeepSpeed row keeps its last figures",
+              file=sys.stderr)
     for q in chosen:  # saved after each question: a failure keeps the others' figures
         try:
             data["questions"][q.key] = run_question(
-                q, lambda line: print(line, file=sys.stderr, flush=True))
+                q, lambda line: print(line, file=sys.stderr, flush=True), args.peer_python)
         except (RuntimeError, ValueError, KeyError, OSError) as err:
             failed.append(q.key)  # its last figures stay, with their date
             print(f"run_all: {q.key} failed, its figures left as they were: {err}",
                   file=sys.stderr, flush=True)
             continue
-        data["sitting"] = {"command": "python benchmarks/run_all.py"
-                           + (f" --only {args.only}" if args.only else ""),
-                           "finished": utc(), "wall_s": round(time.monotonic() - began)}
+        if not args.only:  # a sitting is every question; --only runs keep their own dates
+            data["sitting"] = {"started": data["questions"][chosen[0].key]["started"],
+                               "finished": utc(), "wall_s": round(time.monotonic() - began)}
         save(data, args.data, args.page)
     return 1 if failed else 0
 

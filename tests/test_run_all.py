@@ -94,3 +94,16 @@ def test_the_page_is_rendered_from_its_data_and_keeps_its_shape():
     # kept anchors, link targets and commands are not prose
     prose = re.sub(r'<a id="[^"]+"></a>|\]\([^)]*\)|`[^`]*`', "", page)
     assert not re.search(r"\b(sessions?|issues?|rounds?|helpers?)\b", prose, re.I)
+
+
+def test_peer_parser_reads_the_peer_benchmarks_lines():
+    out = ("deepspeed shm op: True kernel level 1\n"
+           "     1024 B gloo=1788us(1.0x) deepspeed_shm=12us(155.1x) ddpkit_default=48us(37.2x)\n"
+           "    65536 B gloo=1400us(1.0x) deepspeed_shm=27us(51.1x) ddpkit_default=64us(22.0x)\n"
+           "  4194304 B gloo=4938us(1.0x) deepspeed_shm=1700us(2.9x) ddpkit_default=1740us(2.8x)\n")
+    (figs,) = run_all.parse_peer(out, "")
+    assert figs["1 KiB ddpkit / DeepSpeed"] == pytest.approx(48 / 12)
+    assert figs["64 KiB gloo us"] == 1400 and figs["64 KiB DeepSpeed us"] == 27
+    assert not any(k.startswith("4 MiB") for k in figs)  # not a headline size
+    with pytest.raises(ValueError):
+        run_all.parse_peer(out.replace("=64us(22.0x)", "=64us(22.0x)!WRONG"), "")
