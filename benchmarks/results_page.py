@@ -241,7 +241,7 @@ ABOUT = {
         "the median call of each size, slowest rank (`ddpkit bench shm`, which also times "
         "the shared-memory engine alone: see its JSON). Speed-up = gloo's time / ddpkit's.",
     "peer":
-        "DeepSpeed's C++ shared-memory all-reduce (`deepspeed.comm.inference_all_reduce`, "
+        "DeepSpeed 0.19.8's C++ shared-memory all-reduce (`deepspeed.comm.inference_all_reduce`, "
         "its shm op built and engaged) beside `ddpkit.comm.all_reduce(t)` and gloo, float32, "
         "2 ranks (`/work/shared/tools/peer_shm_bench.py`, interleaved, median of 5; "
         "DeepSpeed is no dependency of ddpkit: a scratch environment with it is given to "

@@ -167,6 +167,8 @@ PEER_ROW = re.compile(r"^\s*(\d+) B (.*)$")
 
 def parse_peer(out: str, _scratch: str) -> list[Figures]:
     """peer_shm_bench.py's lines: ``1024 B gloo=1788us(1.0x) deepspeed_shm=12us(155.1x) ...``."""
+    if "deepspeed shm op: True" not in out:  # else DeepSpeed's call is gloo's, no peer
+        raise ValueError("DeepSpeed's shm op was not engaged (see peer_shm_bench.py's header)")
     figs: Figures = {}
     for line in out.splitlines():
         found = PEER_ROW.match(line)
