@@ -117,6 +117,7 @@ LAYERS = {
     "test_train_example.py": E2E,
     "test_train_fault.py": E2E,
     "test_frameworks.py": E2E,
+    "test_run_all.py": E2E,
 }
 # The files whose tests take longest in all (--durations, benchmarks/RESULTS.md "Tests"),
 # longest first: they are collected first, so that the two xdist workers (whole files
