@@ -119,7 +119,7 @@ LAYERS = {
     "test_frameworks.py": E2E,
     "test_run_all.py": E2E,
 }
-# The files whose tests take longest in all (--durations, benchmarks/RESULTS.md "Tests"),
+# The files whose tests take longest in all (--durations, benchmarks/RESULTS.md "Test suite"),
 # longest first: they are collected first, so that the two xdist workers (whole files
 # each, in collection order: pyproject's addopts) start them first and share out the
 # short files at the end, instead of one worker taking a long file while the other idles.

@@ -3,7 +3,7 @@
 * ``digits`` - the 1,797 8x8 handwritten digits that ship inside scikit-learn. We read the
   packaged CSV directly (the same bytes ``sklearn.datasets.load_digits`` reads) because
   importing scikit-learn would cost every worker's start many times the read itself
-  (benchmarks/RESULTS.md, start-up); ``load_digits`` is the fallback.
+  (benchmarks/RESULTS-history.md, start-up); ``load_digits`` is the fallback.
 * ``mnist`` - MNIST from the four IDX files (raw or ``.gz``) in ``--data-dir``, normalized
   as in the tutorial: ``(x / 255 - 0.1307) / 0.3081``.
 * ``synthetic`` - a seeded teacher-labelled Gaussian problem, any size, for benchmarks.
