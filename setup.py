@@ -2,7 +2,7 @@
 
 ``ddpkit-engine.pth`` holds one line that the ``site`` module runs in every interpreter:
 with ``DDPKIT_ENGINE=ddpkit`` set, torch's DistributedDataParallel and CPU collectives
-become ddpkit's in programs started by any launcher (src/ddpkit/engine_hook.py); unset
+become ddpkit's in programs started by any launcher (src/ddpkit/launcher/engine_choice.py); unset
 (or ``torch``), it is one dictionary lookup. A wheel puts the files at its root in
 site-packages; an editable install (``pip install -e .``) builds its wheel from the
 directory given as the ``install`` command's ``install_lib``, so the file goes there in
@@ -17,7 +17,7 @@ from setuptools.command.build_py import build_py
 PTH_NAME = "ddpkit-engine.pth"
 # unset or "torch": nothing imported; "ddpkit" (or a mistake, to be reported): the hook
 PTH_LINE = ("import os; os.environ.get('DDPKIT_ENGINE', '') not in ('', 'torch') and "
-            "__import__('ddpkit.engine_hook').engine_hook.at_interpreter_start()\n")
+            "__import__('ddpkit.launcher.engine_choice').launcher.engine_choice.at_interpreter_start()\n")
 
 
 class BuildPyWithPth(build_py):

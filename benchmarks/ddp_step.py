@@ -273,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
                "replicas_equal": (None if name in UNCHECKED else
                                   all(r["replicas_equal"].get(name, True) for r in results)),
                "page_faults_per_step": statistics.median(r0["faults"][name]),
-               "samples": len(r0["times"][name])}
+               "samples": len(r0["times"][name]),
+               # each round's median: the spread between rounds (steps come round by round)
+               "round_medians_ms": [round(statistics.median(r0["times"][name][i:i + args.steps])
+                                          * 1e3, 2)
+                                    for i in range(0, len(r0["times"][name]), args.steps)]}
         rows.append(row)
 
         def fmt(v):

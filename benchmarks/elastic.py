@@ -184,10 +184,15 @@ def main() -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="ddpkit-elastic-"))
-    references = {"exact": uninterrupted(base / "ref-exact", JOB),
-                  "default": uninterrupted(base / "ref-default", DEFAULT_JOB)}
+    names = args.scenarios.split(",")
+    # only the uninterrupted runs the chosen scenarios compare with (each is a job)
+    references = {}
+    if any(n in EXACT for n in names):
+        references["exact"] = uninterrupted(base / "ref-exact", JOB)
+    if "default-shrink-kill" in names:
+        references["default"] = uninterrupted(base / "ref-default", DEFAULT_JOB)
     rows = []
-    for name in args.scenarios.split(","):
+    for name in names:
         repeats = args.repeats if name in MAIN else args.other_repeats
         results = [run_scenario(name, base / f"{name}-{i}", references)
                    for i in range(repeats)]

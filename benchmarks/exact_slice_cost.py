@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ddpkit
-from ddpkit.host_malloc import worker_malloc_env
+from ddpkit.launcher.worker_heap import worker_malloc_env
 from ddpkit.parallel.exact.exact_gather import ExactMeanGather
 from ddpkit.parallel.exact.exact_reducer import ExactReducer
 from ddpkit.parallel.exact.exact_sum import ExactMean

@@ -39,7 +39,7 @@ all-gather and the adding, the fold format's local levels included) and the rest
 forward and backward, zero_grad and the SGD step).
 
 The workers run with the heap settings ``ddpkit launch`` and ``ddpkit train`` give
-theirs (:mod:`ddpkit.host_malloc`; ``DDPKIT_SYSTEM_MALLOC=1`` keeps glibc's defaults).
+theirs (:mod:`ddpkit.launcher.worker_heap`; ``DDPKIT_SYSTEM_MALLOC=1`` keeps glibc's defaults).
 
 Run:  python benchmarks/exact_step.py [--world-size 2 --rounds 7 --json out.json]
       [--baseline-src /path/to/other/checkout/src] [--sum-variants]
@@ -65,7 +65,7 @@ from torch import nn
 
 import ddpkit
 from ddpkit.bench.output import save_json
-from ddpkit.host_malloc import worker_malloc_env
+from ddpkit.launcher.worker_heap import worker_malloc_env
 from ddpkit.parallel.exact.exact_compile import COMPILE_ENV
 from ddpkit.parallel.exact.exact_gather import ExactMeanGather
 from ddpkit.parallel.exact.exact_sum import ExactMean

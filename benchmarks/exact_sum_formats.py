@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit.host_malloc import worker_malloc_env
+from ddpkit.launcher.worker_heap import worker_malloc_env
 from ddpkit.parallel.exact.exact_sum32 import SMALL_SUM_ELEMENTS, make_mean
 from ddpkit.parallel.exact.exact_transport import ExactTransport
 

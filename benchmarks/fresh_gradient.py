@@ -28,13 +28,13 @@ import os
 import subprocess
 import sys
 
-from ddpkit.host_malloc import KEEP_LARGE_BLOCKS
+from ddpkit.launcher.worker_heap import KEEP_LARGE_BLOCKS
 
 CHILD = """
 import json, os, sys, time, torch
 torch.set_num_threads(1)
 if os.environ.get("APPLY_IN_PROCESS") == "1":  # what a CPU DataParallel does at wrap time
-    from ddpkit.host_malloc import keep_large_blocks_here
+    from ddpkit.launcher.worker_heap import keep_large_blocks_here
     assert keep_large_blocks_here()
 n, repeats = int(sys.argv[1]), int(sys.argv[2])
 bucket, source = torch.zeros(n), torch.randn(n)

@@ -274,8 +274,8 @@ def status_text(entry: dict) -> str:
 
 
 def write_outputs(report: dict, out: Path) -> None:
-    from ddpkit.durable import write_atomic
-    from ddpkit.jsonfiles import json_safe
+    from ddpkit.files.durable import write_atomic
+    from ddpkit.files.jsonfiles import json_safe
 
     write_atomic(out / "gpu_check.json", json.dumps(json_safe(report), indent=1))
     write_atomic(out / "gpu_check.md", markdown(report))

@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 import ddpkit
 from ddpkit.comm.auto import algo_for
-from ddpkit.durable import write_atomic
-from ddpkit.jsonfiles import json_safe
+from ddpkit.files.durable import write_atomic
+from ddpkit.files.jsonfiles import json_safe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_check_exact_sum import exact_sum  # noqa: E402

@@ -1,5 +1,5 @@
 """Step time, page faults and peak RSS of a DDP step with 64 MiB gradients, under the
-heap setting ddpkit gives CPU ranks (ddpkit/host_malloc.py) or glibc's defaults.
+heap setting ddpkit gives CPU ranks (ddpkit/launcher/worker_heap.py) or glibc's defaults.
 
 Run it under a launcher, the setting on and off:
 

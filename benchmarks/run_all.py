@@ -1,367 +1,336 @@
-"""Regenerate benchmarks/RESULTS.md: one table per question, each with its command and
-date.
+"""Regenerate benchmarks/RESULTS.md: every timed row of its headline table, in one sitting.
 
-    .venv/bin/python benchmarks/run_all.py                 # every question (~7 min on 2 cores)
-    .venv/bin/python benchmarks/run_all.py --quick         # fewer repeats: minutes, noisier
-    .venv/bin/python benchmarks/run_all.py --only cost-model-published,ddp-step
-    .venv/bin/python benchmarks/run_all.py --list          # the questions and their commands
+    flock /tmp/ddpkit-heavy.lock .venv/bin/python benchmarks/run_all.py     # everything
+    .venv/bin/python benchmarks/run_all.py --only ddp-step,checkpoint         # some rows
+    .venv/bin/python benchmarks/run_all.py --list                             # the commands
+    .venv/bin/python benchmarks/run_all.py --render                           # page from data
 
-Each question is one entry of QUESTIONS: a key, a title, what it answers, the command
-to run (full and --quick settings) and a function turning its output into one table.
-Run under the shared lock on a shared machine (``flock /tmp/ddpkit-heavy.lock ...``).
-
-RESULTS.md is rewritten section by section: the text between ``<!-- section: KEY -->``
-and ``<!-- end: KEY -->`` is this script's; everything else on the page (an introduction,
-sections written by hand) is kept as it is. A question whose section is missing is
-appended. To add a question: write its benchmark so it prints or writes its figures,
-then add a Question with a ``rows`` function here.
+Each question of QUESTIONS names a benchmark command, how many times to run it, and a
+parser turning one run's output into named figures (one dict per run; a benchmark that
+repeats internally, as the elastic one, yields one dict per repeat). The figures of every
+run go to benchmarks/RESULTS-data.json with the command, its date and the load average
+around it; the page (benchmarks/results_page.py) is then written from that file alone:
+the headline table (median and min-max over the runs) and one section per question. A
+question not run this time keeps its last figures, with their date.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
+import platform
 import re
 import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import results_page
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "benchmarks", "RESULTS.md")
-BIN = os.path.dirname(sys.executable)
-
-
-@dataclass(frozen=True)
-class Step:
-    """One command: ``argv`` with ``{out}`` standing for a scratch directory; ``quick``
-    replaces options for --quick (appended: argparse takes the last value)."""
-
-    argv: tuple[str, ...]
-    quick: tuple[str, ...] = ()
-
-    def command(self, quick: bool) -> list[str]:
-        return [*self.argv, *(self.quick if quick else ())]
-
-
-@dataclass(frozen=True)
-class Table:
-    columns: tuple[str, ...]
-    rows: list[tuple] = field(default_factory=list)
-    note: str = ""  # one paragraph under the table
-    # (label, command) where rows come from different commands (each model's prediction)
-    row_commands: tuple[tuple[str, str], ...] = ()
+DATA = os.path.join(ROOT, "benchmarks", "RESULTS-data.json")
+PY = sys.executable
+Figures = dict[str, float]
+PEER = "{peer}"  # the --peer-python
+PEER_BENCH = "/work/shared/tools/peer_shm_bench.py"
 
 
 @dataclass(frozen=True)
 class Question:
     key: str
-    title: str
-    answers: str  # what the table answers, in a sentence or two
-    step: Step
-    table: Callable[[str, str], Table]  # (the command's stdout, scratch dir)
+    argv: tuple[str, ...]  # "{out}" stands for a fresh scratch directory per run
+    runs: int  # fresh launches of argv; each parse may give several runs' figures
+    parse: Callable[[str, str], list[Figures]]  # (stdout, scratch dir) -> runs' figures
+    env: tuple[tuple[str, str], ...] = ()  # set for the command, beside OMP_NUM_THREADS=1
 
 
-# ------------------------------------------------------------------- table makers
-def _float(text: str) -> float:
-    return float(text.replace(",", ""))
+# ------------------------------------------------------------------- parsers
+def _json(scratch: str, name: str):
+    with open(os.path.join(scratch, name)) as fh:
+        return json.load(fh)
 
 
-def main_job_table(out: str, _dir: str) -> Table:
-    rows = []
+def parse_ddp_step(_out: str, scratch: str) -> list[Figures]:
+    """One run per round of the benchmark (the variants take turns within each)."""
+    by = {r["variant"]: r for r in _json(scratch, "ddp_step.json")["rows"]}
+    same = float(bool(by["ddpkit"]["bitwise_equal_to_torch"]))
+    runs = []
+    for ours, torch_, ceiling in zip(*(by[v]["round_medians_ms"]
+                                       for v in ("ddpkit", "torch", "local"))):
+        runs.append({"ddpkit ms": ours, "torch DDP ms": torch_, "compute ceiling ms": ceiling,
+                     "ddpkit / torch DDP": ours / torch_,
+                     "ddpkit / compute ceiling": ours / ceiling,
+                     "torch DDP / compute ceiling": torch_ / ceiling,
+                     "parameters == torch DDP": same})
+    return runs
+
+
+ALL_REDUCE_SIZES = {1 << 10: "1 KiB", 1 << 16: "64 KiB", 1 << 20: "1 MiB", 32 << 20: "32 MiB"}
+
+
+def parse_all_reduce(_out: str, scratch: str) -> list[Figures]:
+    by = {(r["algo"], r["bytes"]): r["time_us"] for r in _json(scratch, "shm/shm.json")}
+    figs: Figures = {}
+    for size, label in ALL_REDUCE_SIZES.items():
+        gloo, ours = by[("gloo", size)], by[("comm", size)]
+        figs.update({f"{label} gloo us": gloo, f"{label} ddpkit us": ours,
+                     f"{label} speed-up over gloo": gloo / ours})
+    return [figs]
+
+
+ZERO_STAGES = {"dp_optimizer": "ZeRO-1", "dp_gradients": "ZeRO-2", "dp_parameters": "ZeRO-3"}
+
+
+def parse_zero(_out: str, scratch: str) -> list[Figures]:
+    by = {r["variant"]: r for r in _json(scratch, "zero.json")["rows"]}
+
+    def mem(v):
+        return max(by[v]["growth_mib_per_rank"])
+
+    figs: Figures = {}
+    for v, label in (("dp_none", "DDP"), ("torch_zero", "torch ZeRO"), *ZERO_STAGES.items()):
+        figs[f"{label} step ms"] = by[v]["median_ms"]
+        figs[f"{label} peak MiB"] = mem(v)
+    for v, stage in ZERO_STAGES.items():
+        for base, name in (("dp_none", "DDP"), ("torch_zero", "torch ZeRO")):
+            figs[f"{stage} memory / {name}"] = mem(v) / mem(base)
+            figs[f"{stage} step / {name}"] = by[v]["median_ms"] / by[base]["median_ms"]
+    return [figs]
+
+
+def parse_exact(_out: str, scratch: str) -> list[Figures]:
+    figs: Figures = {}
+    rows = _json(scratch, "exact_step.json")["rows"]
+    for r in rows:
+        model = "8.4M MLP" if r["model"] == "mlp8m" else "main job's MLP"
+        name = {"default": "default", "exact_1pr": "V = W", "exact": f"V = {r['slices']}"}
+        if r["variant"] in name:
+            label = f"{model}, {name[r['variant']]}"
+            figs[f"{label} ms"] = r["median_ms"]
+            if r["variant"] != "default":
+                figs[f"{label} / default"] = r["vs_default"]
+                figs[f"{label} replicas =="] = float(r["replicas_equal"] is True)
+    return [figs]
+
+
+FRAMEWORK_ROW = re.compile(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|")
+
+
+def parse_frameworks(out: str, _scratch: str) -> list[Figures]:
+    figs: Figures = {}
     for line in out.splitlines():
-        parts = line.split()
-        if len(parts) >= 5 and all(re.fullmatch(r"[\d.]+|nan", p) for p in parts[:5]):
-            _rundir, train, _done, wall, acc = map(float, parts[:5])
-            rows.append((f"{acc:.2f} %", f"{train:.2f} s", f"{wall:.2f} s"))
-    imports = next((line for line in out.splitlines() if line.startswith("import ddpkit")), "")
-    load = [line for line in out.splitlines() if line.startswith("load average")]
-    return Table(("test accuracy", "training loop", "wall, command to exit"), rows,
-                 f"{imports}. {'; '.join(load)}.")
-
-
-def collectives_table(_out: str, scratch: str) -> Table:
-    with open(os.path.join(scratch, "coll", "collectives-all_reduce.json")) as fh:
-        data = json.load(fh)["rows"]
-    by = {(r["algo"], r["bytes"]): r for r in data}
-    algos = [a for a in ("shm", "ring", "backend") if any(k[0] == a for k in by)]
-    rows = []
-    for size in sorted({r["bytes"] for r in data}):
-        gloo = by[("backend", size)]["time_us"]
-        rows.append((_human(size), *(f"{by[(a, size)]['time_us']:.0f} us, "
-                                     f"{by[(a, size)]['busbw_gbps']:.2f} GB/s, "
-                                     f"{gloo / by[(a, size)]['time_us']:.2f}x" for a in algos)))
-    names = {"backend": "gloo (torch)", "shm": "shm", "ring": "ring"}
-    return Table(("size", *(f"{names[a]}: time, busbw, x gloo" for a in algos)), rows,
-                 "All-reduce of float32 on 2 ranks of this machine; median round, slowest "
-                 "rank. shm is the default (`algo=\"auto\"`) for CPU tensors on one host.")
-
-
-def collectives_latency_table(out: str, _dir: str) -> Table:
-    small = []
-    for line in out.splitlines():
-        found = re.match(r"^\s*(\S+)\s+(comm|gloo|shm|shm-copy|shm-signed|comm-nocheck)\s+"
-                         r"([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$", line)
+        found = FRAMEWORK_ROW.match(line)
         if found:
-            small.append(found.groups())
-    by_small: dict[str, dict[str, tuple]] = {}
-    for size, algo, t, bw, x in small:
-        by_small.setdefault(size, {})[algo] = (t, bw, x)
-    shm_cols = ("gloo", "comm", "shm-copy", "shm")
-    shm_rows = [(size, *(f"{v[algo][0]} us, {v[algo][2]}x" if algo in v else "-"
-                         for algo in shm_cols)) for size, v in by_small.items()]
-    verdicts = [line for line in out.splitlines() if line.startswith(("target", "in-band"))]
-    return Table(("size", "gloo", "ddpkit.comm.all_reduce(t) (default)",
-                  "shm engine, private tensor", "shm engine, tensor in the segment"), shm_rows,
-                 "Time per call and speed-up over gloo. " + " ".join(
-                     f"{v.rstrip('.')}." for v in verdicts))
+            name, torch_ms, ours_ms, _ = found.groups()
+            figs[f"{name} torch DDP ms"] = float(torch_ms)
+            figs[f"{name} ddpkit ms"] = float(ours_ms)
+            figs[f"{name} ddpkit / torch DDP"] = float(ours_ms) / float(torch_ms)
+    return [figs]
 
 
-def ddp_step_table(_out: str, scratch: str) -> Table:
-    with open(os.path.join(scratch, "ddp_step.json")) as fh:
-        data = json.load(fh)
-    names = {"single": "one process alone", "local": "2 processes, no communication "
-             "(the compute ceiling)", "torch": "torch DDP", "torch_gbv":
-             "torch DDP, gradient_as_bucket_view", "torch_shm": "torch DDP + ddpkit's shm hook",
-             "ddpkit": "ddpkit.DataParallel (defaults)"}
-
-    def num(v):
-        return "-" if v is None else f"{v:.3f}"
-
-    rows = [(names.get(r["variant"], r["variant"]), f"{r['median_ms']:.1f}", num(r["vs_torch"]),
-             num(r["efficiency_vs_single"]), num(r["efficiency_vs_local"]),
-             {True: "yes", False: "no", None: "-"}[r["bitwise_equal_to_torch"]])
-            for r in data["rows"]]
-    return Table(("variant", "step ms", "time / torch DDP", "scaling efficiency",
-                  "of the compute ceiling", "parameters == torch DDP"), rows,
-                 f"MLP of {data['model_params'] / 1e6:.1f} M parameters, batch "
-                 f"{data['batch_per_rank']} per rank, {data['world_size']} gloo ranks, 1 thread "
-                 "each; median step (zero_grad, forward, backward, SGD). Scaling efficiency = "
-                 "one process's step / this step; of the compute ceiling = the step of 2 "
-                 "processes that do not communicate / this step (2 ranks share this "
-                 "machine's memory bandwidth). Load average "
-                 f"{data['loadavg_before'][0]:.1f} before, {data['loadavg_after'][0]:.1f} "
-                 "after.")
+def parse_checkpoint(_out: str, scratch: str) -> list[Figures]:
+    """One run per save and load of each way (they take turns within the processes)."""
+    t = _json(scratch, "checkpoint.json")["times_s"]
+    return [{**{f"{k} s": t[k][i] for k in t},
+             "save ddpkit / torch": t["save ddpkit"][i] / t["save torch"][i],
+             "load ddpkit / torch": t["load ddpkit"][i] / t["load torch"][i]}
+            for i in range(len(t["save ddpkit"]))]
 
 
-def fault_table(out: str, _dir: str) -> Table:
-    rows = []
+def parse_elastic(out: str, _scratch: str) -> list[Figures]:
+    runs = []
     for line in out.splitlines():
-        found = re.match(r"^(.+?)\s+([\d.]+)\s+([\d.]+)$", line)
-        if found and not line.startswith("checkpoint"):
-            rows.append((found.group(1), f"{found.group(2)} us", f"{found.group(3)} us"))
-        elif line.startswith("checkpoint"):
-            what, _, figure = line.partition(": ")
-            rows.append((what, figure, ""))
-    return Table(("operation", "median", "p90"), rows,
-                 "2 gloo ranks over a TCPStore; rank 0's timings.")
-
-
-def published_table(out: str, _dir: str) -> Table:
-    rows = []
-    for line in out.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 6 and cells[0] not in ("model", "---"):
-            rows.append(tuple(cells))
-    commands = [line.strip() for line in out.splitlines()
-                if line.startswith("    ddpkit plan project")]
-    params = {}
-    with open(os.path.join(ROOT, "benchmarks", "data", "torch_ddp_v100_published.csv")) as fh:
-        for line in fh.read().splitlines():
-            if line[:1] not in ("#", "m") and "," in line:
-                name, count = line.split(",")[:2]
-                params[count] = name
-    labelled = tuple((params.get(cmd.split("--params ")[1].split()[0], "?"), cmd)
-                     for cmd in commands)
-    worst = next((line for line in out.splitlines() if line.startswith("Worst")), "")
-    return Table(("model", "GPUs", "published step", "predicted", "error",
-                  "error without the slowest-device term"), rows,
-                 f"{worst.split('. Commands')[0]}. Each row is predicted from the model's "
-                 "single-GPU step without DDP, its parameter and tensor counts, and the DGX-1 "
-                 "presets (the fastest algorithm's row of plan.csv). resnet101 and "
-                 "resnext101_32x8d were compared only after the model's constants were fixed. "
-                 "The slowest-device spread (2.5%) is an assumption, not measured here (no "
-                 "GPU) and not fitted; the intra-node link of a job on a few of a DGX-1's "
-                 "GPUs is the NVLinks among them (docs/multinode.md).",
-                 row_commands=labelled)
-
-
-def ddp_overhead_table(out: str, _dir: str) -> Table:
-    rows = []
-    for line in out.splitlines():
-        found = re.match(r"^\s+(\S+=\S+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)ms\s+([\d.]+)ms$", line)
+        found = re.match(r"^shrink-kill #\d+: (\{.*\})$", line)
         if found:
-            rows.append((found.group(1), found.group(2), found.group(3),
-                         f"{found.group(4)} ms", f"{found.group(5)} ms"))
-    fit = next((line for line in out.splitlines() if line.startswith("per tensor")), "")
-    return Table(("model", "tensors", "MiB", "step without DDP", "DDP's extra"), rows,
-                 f"DDP's own per-step work, measured with torch DDP on one gloo rank: {fit}. "
-                 "The model's constants (src/ddpkit/plan/model.py: 18 us per tensor, 4.2 "
-                 "passes) were set from an earlier run of this benchmark (2026-11-25 13:52 "
-                 "UTC, 5 rounds: 18.2 us, 4.2 passes); this run shows how much they move "
-                 "between runs on a loaded machine.")
+            r = ast.literal_eval(found.group(1))
+            runs.append({"runs ok": float(r.get("ok", False)),
+                         **{k.replace("_s", " s").replace("_", " "): v for k, v in r.items()
+                            if k in ("to_resumed_s", "to_training_s")}})
+    return runs
 
 
-def plan_validate_table(_out: str, scratch: str) -> Table:
-    with open(os.path.join(scratch, "validate.json")) as fh:
-        validate = json.load(fh)["results"]
-    rows = [(r["batch_per_rank"], f"{r['measured_step_s'] * 1e3:.1f} ms",
-             f"{r['predicted_step_s'] * 1e3:.1f} ms", f"{r['error']:+.1%}") for r in validate]
-    return Table(("batch per rank", "measured DDP step", "predicted", "error"), rows,
-                 "`ddpkit plan validate` on this machine: torch DDP on 2 gloo ranks, MLP "
-                 "1024-2048-2048-2048-10, prediction from the no-communication step and an "
-                 "all-reduce line fitted in the same processes (no DDP-overhead term here).")
+def parse_chaos(out: str, _scratch: str) -> list[Figures]:
+    found = re.search(r"^(\d+) scenarios, (\d+) bad, (\d+) s;", out, re.M)
+    if not found:
+        raise ValueError("no summary line in the chaos run's output")
+    total, bad, seconds = map(int, found.groups())
+    return [{"scenarios": total, "as required": total - bad, "wall s": seconds}]
 
 
-def _human(n: int) -> str:
-    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
+PEER_ROW = re.compile(r"^\s*(\d+) B (.*)$")
 
 
-PY = os.path.join(BIN, "python")
-DDPKIT = os.path.join(BIN, "ddpkit")
+def parse_peer(out: str, _scratch: str) -> list[Figures]:
+    """peer_shm_bench.py's lines: ``1024 B gloo=1788us(1.0x) deepspeed_shm=12us(155.1x) ...``."""
+    if "deepspeed shm op: True" not in out:  # else DeepSpeed's call is gloo's, no peer
+        raise ValueError("DeepSpeed's shm op was not engaged (see peer_shm_bench.py's header)")
+    figs: Figures = {}
+    for line in out.splitlines():
+        found = PEER_ROW.match(line)
+        if found and int(found.group(1)) in ALL_REDUCE_SIZES:
+            size = ALL_REDUCE_SIZES[int(found.group(1))]
+            times = dict(re.findall(r"(\w+)=(\d+)us", found.group(2)))
+            if "!WRONG" in line:
+                raise ValueError(f"peer benchmark: a wrong all-reduce result at {size}")
+            ours, theirs = float(times["ddpkit_default"]), float(times["deepspeed_shm"])
+            figs.update({f"{size} gloo us": float(times["gloo"]),
+                         f"{size} DeepSpeed us": theirs, f"{size} ddpkit us": ours,
+                         f"{size} ddpkit / DeepSpeed": ours / max(theirs, 1.0)})
+    if not figs:
+        raise ValueError("no size line in the peer benchmark's output")
+    return [figs]
 
-QUESTIONS: tuple[Question, ...] = (
-    Question(
-        "main-job", "Main job: how long, how accurate",
-        "`ddpkit train` with its defaults (digits, MLP, 2 CPU processes, 20 epochs): test "
-        "accuracy, the training loop's time, and the wall time of the whole command (most "
-        "of it starting the agent and two workers that import torch).",
-        Step((PY, "benchmarks/startup.py", "--runs", "3"), ("--runs", "1")),
-        main_job_table),
-    Question(
-        "collectives", "All-reduce bandwidth: ddpkit against gloo",
-        "All-reduce time and bus bandwidth of ddpkit's algorithms against torch's gloo on "
-        "one host, from large messages to the small ones where latency rules.",
-        Step((DDPKIT, "bench", "collectives", "--nproc", "2", "--op", "all_reduce",
-              "--algo", "shm,ring,backend", "--sizes", "64K:64M:4", "--out-dir", "{out}/coll",
-              "--no-plot"), ("--sizes", "64K:4M:8", "--repeats", "3")),
-        collectives_table),
-    Question(
-        "collectives-latency", "All-reduce time per call: the default, the shm engine, gloo",
-        "Time of one `ddpkit.comm.all_reduce(t)` call (the default path, its checks "
-        "included) and of the shared-memory engine alone, against gloo, from 4 bytes up.",
-        Step((DDPKIT, "bench", "shm", "--out-dir", "{out}/shm", "--no-plot"),
-             ("--sizes", "4,64K,4M", "--budget", "0.1")),
-        collectives_latency_table),
-    Question(
-        "ddp-step", "DDP step: ddpkit against torch DDP, and against the compute ceiling",
-        "One training step of an 8.4 M-parameter MLP on 2 CPU ranks under each engine, run "
-        "side by side in the same processes.",
-        Step((PY, "benchmarks/ddp_step.py", "--json", "{out}/ddp_step.json"),
-             ("--rounds", "3", "--steps", "3", "--warmup", "1")),
-        ddp_step_table),
-    Question(
-        "fault-tolerance", "Fault tolerance: what the hooks and checkpoints cost",
-        "Per-call cost of the hang watchdog and the preemption check, and a checkpoint's "
-        "save and verified load.",
-        Step((PY, "benchmarks/fault_overhead.py"), ("--iters", "200", "--mib", "16")),
-        fault_table),
-    Question(
-        "cost-model-published", "Cost model against torch DDP's published V100 table",
-        "`ddpkit plan project` held to every row of the step times PyTorch published for "
-        "torch DDP on DGX-1 machines.",
-        Step((PY, "benchmarks/plan_published.py")),
-        published_table),
-    Question(
-        "cost-model-overhead", "Cost model: DDP's own work per step",
-        "The measurement behind the model's DDP-overhead term: what torch DDP adds to a "
-        "step on a process group of one, by tensor count and by gradient bytes.",
-        Step((PY, "benchmarks/ddp_overhead.py"), ("--rounds", "5", "--steps", "3")),
-        ddp_overhead_table),
-    Question(
-        "cost-model-validate", "Cost model against a measured DDP step here",
-        "`ddpkit plan validate`: the model's prediction of a torch DDP step on this "
-        "machine against the step measured.",
-        Step((DDPKIT, "plan", "validate", "--out", "{out}/validate.json"), ("--steps", "4")),
-        plan_validate_table),
+
+def parse_tests(out: str, _scratch: str) -> list[Figures]:
+    found = re.search(r"^(\d+) tests? collected", out, re.M)
+    if not found:
+        raise ValueError("no 'N tests collected' line in pytest's output")
+    return [{"tests": int(found.group(1))}]
+
+
+QUESTIONS: tuple[Question, ...] = (  # quick and side-by-side first, the long runs last
+    Question("tests", (PY, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                       "tests"), 1, parse_tests),
+    Question("ddp-step", (PY, "benchmarks/ddp_step.py", "--variants", "local,torch,ddpkit",
+                          "--rounds", "5", "--steps", "3", "--warmup", "2",
+                          "--json", "{out}/ddp_step.json"), 1, parse_ddp_step),
+    Question("all-reduce", (PY, "-m", "ddpkit.cli", "bench", "shm",
+                            "--sizes", "1K,64K,1M,32M", "--budget", "0.3",
+                            "--out-dir", "{out}/shm", "--no-plot"), 3, parse_all_reduce),
+    Question("exact", (PY, "benchmarks/exact_step.py", "--mlp-batches", "1024",
+                       "--slices", "8", "--rounds", "3", "--steps", "2", "--warmup", "1",
+                       "--json", "{out}/exact_step.json"), 3, parse_exact),
+    Question("checkpoint", (PY, "benchmarks/checkpoint_dcp.py", "--repeats", "4",
+                            "--json", "{out}/checkpoint.json"), 1, parse_checkpoint),
+    Question("zero", (PY, "benchmarks/zero.py", "--variants", "dp_none,dp_optimizer,"
+                      "dp_gradients,dp_parameters,torch_ddp,torch_zero", "--repeats", "1",
+                      "--steps", "4", "--warmup", "1", "--json", "{out}/zero.json"),
+             3, parse_zero),
+    Question("elastic", (PY, "benchmarks/elastic.py", "--scenarios", "shrink-kill",
+                         "--repeats", "3"), 1, parse_elastic),
+    Question("frameworks", (PY, "benchmarks/frameworks.py", "--repeats", "1",
+                            "--all-reduce-calls", "50"), 3, parse_frameworks),
+    # DeepSpeed is no dependency: PEER stands for a Python that has it (--peer-python)
+    Question("peer", (PEER, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                      "2", PEER_BENCH, "float32"), 3, parse_peer,
+             env=(("LOCAL_SIZE", "2"), ("DS_ACCELERATOR", "cpu"))),
+    Question("chaos", (PY, "benchmarks/chaos.py", "--runs", "1"), 1, parse_chaos),
 )
 
 
-# ------------------------------------------------------------------- the page
-def shown(argv: Sequence[str]) -> str:
-    """A command as a reader types it from the repository root."""
-    words = [("ddpkit" if w == DDPKIT else "python" if w == PY else w.replace("{out}", "OUT"))
-             for w in argv]
-    return shlex.join(words)
+# ------------------------------------------------------------------- running
+def shown(argv: tuple[str, ...]) -> str:
+    """The command as a reader types it from the repository root."""
+    return shlex.join("python" if a == PY else "PEER_PYTHON" if a == PEER else
+                      a.replace("{out}", "OUT") for a in argv)
 
 
-def render(q: Question, table: Table, command: str, date: str) -> str:
-    """The question's section: its title, what it answers, the table, a note, and the
-    command and date that produced it (each model's command where rows differ in it)."""
-    lines = [f"<!-- section: {q.key} -->", f"### {q.title}", "", q.answers, ""]
-    lines.append("| " + " | ".join(table.columns) + " |")
-    lines.append("|" + "---|" * len(table.columns))
-    for row in table.rows or [tuple("-" for _ in table.columns)]:
-        lines.append("| " + " | ".join(str(c) for c in row) + " |")
-    if table.note:
-        lines += ["", table.note]
-    lines += ["", f"Measured {date}: `{command}`"
-              + (", each model's rows by:" if table.row_commands else "")]
-    if table.row_commands:
-        lines.append("")
-        lines += [f"* {label}: `{cmd}`" for label, cmd in table.row_commands]
-    lines += ["", f"<!-- end: {q.key} -->"]
-    return "\n".join(lines)
+def utc() -> str:
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
 
 
-def replace_section(page: str, key: str, text: str) -> str:
-    pattern = re.compile(rf"<!-- section: {re.escape(key)} -->.*?<!-- end: {re.escape(key)} -->",
-                         re.S)
-    if pattern.search(page):
-        return pattern.sub(lambda _m: text, page)
-    return page.rstrip("\n") + "\n\n" + text + "\n"
+def run_question(q: Question, echo=print, peer: str | None = None) -> dict:
+    runs: list[Figures] = []
+    load = [os.getloadavg()[0]]
+    started, began = utc(), time.monotonic()
+    for i in range(q.runs):
+        with tempfile.TemporaryDirectory(prefix=f"ddpkit-results-{q.key}-") as scratch:
+            argv = [peer if a == PEER else a.replace("{out}", scratch) for a in q.argv]
+            echo(f"[{q.key} {i + 1}/{q.runs}] {shown(q.argv)}")
+            proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", **dict(q.env)})
+            # the chaos run exits 1 when a scenario was not as required: still a result
+            if proc.returncode != 0 and not (q.key == "chaos" and proc.returncode == 1):
+                raise RuntimeError(f"[{q.key}] exit {proc.returncode}: {shown(q.argv)}\n"
+                                   f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
+            runs += q.parse(proc.stdout, scratch)
+        load.append(os.getloadavg()[0])
+    env = " ".join(f"{k}={v}" for k, v in q.env)
+    return {"command": f"{env} {shown(q.argv)}".strip(), "launches": q.runs, "started": started,
+            "wall_s": round(time.monotonic() - began, 1), "load": [min(load), max(load)],
+            "runs": runs}
 
 
-def run_question(q: Question, quick: bool) -> str:
-    with tempfile.TemporaryDirectory(prefix=f"ddpkit-results-{q.key}-") as scratch:
-        argv = [a.replace("{out}", scratch) for a in q.step.command(quick)]
-        command = shown(q.step.command(quick))
-        print(f"[{q.key}] {command}", file=sys.stderr, flush=True)
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if proc.returncode != 0:
-            raise SystemExit(f"[{q.key}] failed (exit {proc.returncode}): {command}\n"
-                             f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-        date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        return render(q, q.table(proc.stdout, scratch), command, date)
+def machine() -> dict:
+    model = ""
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as fh:
+            model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")),
+                         "")
+    import torch
+
+    return {"cpu": model or platform.processor(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__}
+
+
+def load_data(path: str) -> dict:
+    if os.path.exists(path):
+        with open(path) as fh:
+            return json.load(fh)
+    return {"questions": {}}
+
+
+def save(data: dict, data_path: str, page_path: str) -> None:
+    with open(data_path, "w") as fh:
+        json.dump(data, fh, indent=1)
+        fh.write("\n")
+    with open(page_path, "w") as fh:
+        fh.write(results_page.render(data))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer repeats (noisier figures)")
     p.add_argument("--only", default=None, help="comma-separated question keys")
     p.add_argument("--list", action="store_true", help="print the questions and commands")
-    p.add_argument("--page", default=RESULTS, help="the page to update (default: %(default)s)")
+    p.add_argument("--render", action="store_true", help="only rewrite the page from --data")
+    p.add_argument("--data", default=DATA, help="the figures (default: %(default)s)")
+    p.add_argument("--page", default=results_page.RESULTS, help="default: %(default)s")
+    p.add_argument("--peer-python", default=os.environ.get("DDPKIT_PEER_PYTHON"),
+                   help="a Python with DeepSpeed (and torch, ddpkit) for the peer row; "
+                        "without it that row keeps its last figures")
     args = p.parse_args(argv)
     chosen = list(QUESTIONS)
     if args.only:
         keys = [k.strip() for k in args.only.split(",") if k.strip()]
-        unknown = [k for k in keys if k not in {q.key for q in QUESTIONS}]
+        unknown = sorted(set(keys) - {q.key for q in QUESTIONS})
         if unknown:
             p.error(f"--only {','.join(unknown)}: not a question; known: "
                     f"{', '.join(q.key for q in QUESTIONS)}")
         chosen = [q for q in QUESTIONS if q.key in keys]
     if args.list:
         for q in chosen:
-            print(f"{q.key}: {q.title}")
-            print(f"    {shown(q.step.command(args.quick))}")
+            print(f"{q.key} ({q.runs} launch{'es' if q.runs > 1 else ''}): {shown(q.argv)}")
         return 0
-    page = ""
-    if os.path.exists(args.page):
-        with open(args.page) as fh:
-            page = fh.read()
-    for q in chosen:
-        page = replace_section(page, q.key, run_question(q, args.quick))
-        with open(args.page, "w") as fh:  # after each question: a failure keeps the rest
-            fh.write(page)
-    return 0
+    data = load_data(args.data)
+    if args.render:
+        save(data, args.data, args.page)
+        return 0
+    data["machine"] = machine()
+    began = time.monotonic()
+    failed = []
+    if not args.peer_python:
+        chosen = [q for q in chosen if q.key != "peer"]
+        print("run_all: no --peer-python: the DeepSpeed row keeps its last figures",
+              file=sys.stderr)
+    for q in chosen:  # saved after each question: a failure keeps the others' figures
+        try:
+            data["questions"][q.key] = run_question(
+                q, lambda line: print(line, file=sys.stderr, flush=True), args.peer_python)
+        except (RuntimeError, ValueError, KeyError, OSError) as err:
+            failed.append(q.key)  # its last figures stay, with their date
+            print(f"run_all: {q.key} failed, its figures left as they were: {err}",
+                  file=sys.stderr, flush=True)
+            continue
+        if not args.only:  # a sitting is every question; --only runs keep their own dates
+            data["sitting"] = {"started": data["questions"][chosen[0].key]["started"],
+                               "finished": utc(), "wall_s": round(time.monotonic() - began)}
+        save(data, args.data, args.page)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddpkit
-from ddpkit.durable import write_atomic
+from ddpkit.files.durable import write_atomic
 from ddpkit.parallel.zero.sharded_state import state_bytes
 
 MODELS = {"mlp14m": (1536, 6), "mlp200m": (5000, 8)}  # (width, Linear layers)

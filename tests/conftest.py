@@ -39,8 +39,11 @@ LAYERS = {
     "test_bad_inputs.py": UNIT,
     "test_checkpoint_damage.py": UNIT,
     "test_cli.py": UNIT,
+    "test_doc_commands.py": UNIT,
     "test_doc_links.py": UNIT,
     "test_layers.py": UNIT,
+    "test_architecture_table.py": UNIT,
+    "test_private_writes.py": UNIT,
     "test_suite_lists.py": UNIT,
     "test_metric_log.py": UNIT,
     "test_data_datasets.py": UNIT,
@@ -54,6 +57,7 @@ LAYERS = {
     "test_shard_layout.py": UNIT,
     "test_topology.py": UNIT,
     "test_train_config.py": UNIT,
+    "test_vocabulary.py": E2E,
     "test_world.py": UNIT,
     "test_checkpoint.py": MULTIPROCESS,
     "test_checkpoint_crash.py": MULTIPROCESS,
@@ -92,7 +96,7 @@ LAYERS = {
     "test_torch_route_fast.py": MULTIPROCESS,
     "test_dist_pool.py": MULTIPROCESS,
     "test_comm_bench.py": E2E,
-    "test_host_malloc.py": E2E,
+    "test_worker_heap.py": E2E,
     "test_ddp_examples.py": E2E,
     "test_docs.py": E2E,
     "test_elastic.py": E2E,
@@ -113,8 +117,9 @@ LAYERS = {
     "test_train_example.py": E2E,
     "test_train_fault.py": E2E,
     "test_frameworks.py": E2E,
+    "test_run_all.py": E2E,
 }
-# The files whose tests take longest in all (--durations, benchmarks/RESULTS.md "Tests"),
+# The files whose tests take longest in all (--durations, benchmarks/RESULTS.md "Test suite"),
 # longest first: they are collected first, so that the two xdist workers (whole files
 # each, in collection order: pyproject's addopts) start them first and share out the
 # short files at the end, instead of one worker taking a long file while the other idles.
@@ -181,7 +186,7 @@ SLOW = {
                       "test_collective_timeout_names_the_missing_rank",
                       "test_backstop_exits_the_process_with_the_hang_code",
                       "test_a_rank_that_was_stopped_says_so_instead_of_blaming_its_peers"},
-    "test_host_malloc.py": {"test_a_launched_worker_gets_them",
+    "test_worker_heap.py": {"test_a_launched_worker_gets_them",
                             "test_a_process_not_started_by_the_launcher_gets_them_from_data_parallel"},
     "test_launch.py": {"test_spmd_example_under_launch", "test_failing_rank_reported_once",
                        "test_missing_script_is_one_line", "test_invalid_nproc",

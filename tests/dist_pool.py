@@ -31,7 +31,8 @@ import traceback
 # most workers, early in the session). With it already imported, ddpkit's DataParallel asks
 # torch.compiler.is_compiling() instead of leaving it unasked (the same answer, False, in
 # eager code); a launched process, which starts without it, keeps testing the other way.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddpkit.runtime", "ddpkit.spawn"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ddpkit.runtime.process_group",
+           "ddpkit.runtime.spawn"]
 
 
 def stop_fork_server() -> None:
@@ -58,8 +59,8 @@ def _worker(rank, world_size, store_path, tasks, results):
 
     import torch
 
-    from ddpkit import runtime
-    from ddpkit.spawn import worker_env
+    from ddpkit.runtime import process_group
+    from ddpkit.runtime.spawn import worker_env
 
     os.environ.update(worker_env(rank, world_size))
     # A fatal signal (SIGSEGV, SIGABRT, ...) and SIGUSR1 (sent by DistPool.run on a
@@ -68,7 +69,7 @@ def _worker(rank, world_size, store_path, tasks, results):
     faulthandler.enable(file=stacks, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     torch.set_num_threads(1)
-    world = runtime.init("gloo", f"file://{store_path}", timeout=60)
+    world = process_group.init("gloo", f"file://{store_path}", timeout=60)
     try:
         while True:
             task = tasks.get()
@@ -80,7 +81,7 @@ def _worker(rank, world_size, store_path, tasks, results):
             except BaseException as exc:
                 results.put((seq, rank, False, "".join(traceback.format_exception(exc))))
     finally:
-        runtime.shutdown()
+        process_group.shutdown()
     # Leave without finalizing the interpreter: torch's teardown costs each worker about
     # a second of CPU, and a session ends with ten of them on two cores. How a program
     # ends through finalization is tested by tests/test_clean_exit.py, not here.

@@ -72,7 +72,7 @@ MUTATIONS = (
     ),
     Mutation(
         "checkpoint-files-written-in-place",
-        "ddpkit/durable.py",
+        "ddpkit/files/durable.py",
         "    path = Path(path)\n    tmp = temporary_path(path)\n",
         "    path = Path(path)\n    tmp = path\n",
         ("tests/test_checkpoint.py", "tests/test_checkpoint_crash.py", "-m", "not slow"),

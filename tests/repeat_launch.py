@@ -18,7 +18,7 @@ becomes one rank of a ``torchrun``-like job (RANK, WORLD_SIZE, MASTER_ADDR/PORT 
 free port), runs SCRIPT as ``__main__``, then leaves by raising SystemExit to the top of
 this program: the child's interpreter finalizes normally, atexit handlers included,
 which is where an exit abort would happen. ``--runner`` runs SCRIPT through
-``ddpkit.script_runner`` (what ``ddpkit launch`` does) instead of directly.
+``ddpkit.launcher.script_runner`` (what ``ddpkit launch`` does) instead of directly.
 
 Prints one JSON line (with ``--jobs``, a list of them, one per job): per run, each
 rank's exit code (negative: killed by that signal), the tail of its output, and the
@@ -86,7 +86,7 @@ def become_rank(script: str, args: list[str], rank: int, nranks: int, port: int,
                       LOCAL_WORLD_SIZE=str(nranks), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=f"repeat-{os.getppid()}-{run}")
     if runner:
-        from ddpkit import script_runner
+        from ddpkit.launcher import script_runner
 
         script_runner.main([script, *args])
         raise SystemExit(0)

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from ddpkit import cli
+from ddpkit.runtime.world import World
 from ddpkit.train.config import Config, resolve
 from ddpkit.train.resume import check_resumable
-from ddpkit.world import World
 
 RUN = {"data": "synthetic", "synthetic_size": 200, "batch_size": 32, "epochs": 1,
        "hidden": [8], "threads": 1, "progress": False, "checkpoint_every_steps": 3}
@@ -163,7 +163,7 @@ def test_run_dir_of_a_stopped_run_with_other_settings_names_them(capsys, run_cop
 
 
 def test_a_run_dir_in_use_is_refused_naming_its_holder(capsys, run_copy):
-    from ddpkit.run_lock import RunLock
+    from ddpkit.files.run_lock import RunLock
 
     with RunLock.acquire(run_copy, command="ddpkit train (the first)"):
         before = _snapshot(run_copy)
@@ -179,8 +179,7 @@ def test_a_run_that_finishes_while_the_same_command_starts_is_not_continued(
         capsys, run_copy, monkeypatch):
     # The first command still held the lock when the second looked at the directory, and
     # finished before the second took it.
-    from ddpkit.commands import train
-    from ddpkit.run_lock import RunLock
+    from ddpkit.files.run_lock import RunLock
 
     summary = (run_copy / "summary.json").read_text()
     (run_copy / "summary.json").unlink()  # still going
@@ -190,13 +189,13 @@ def test_a_run_that_finishes_while_the_same_command_starts_is_not_continued(
         (run_copy / "summary.json").write_text(summary)
         return real_acquire(run_dir, *args, **kwargs)
 
-    monkeypatch.setattr(train.RunLock, "acquire", first_finishes_meanwhile)
+    monkeypatch.setattr(RunLock, "acquire", first_finishes_meanwhile)
     _fails_in_one_line(capsys, ["--run-dir", str(run_copy)], "holds a finished run")
     assert not (run_copy / ".ddpkit-lock").exists()  # released
 
 
 def test_a_stale_lock_of_a_dead_holder_is_taken_over(run_copy):
-    from ddpkit.run_lock import LOCK_FILE, RunLock
+    from ddpkit.files.run_lock import LOCK_FILE, RunLock
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -301,8 +300,8 @@ def test_a_run_whose_loss_turns_non_finite_stops_and_keeps_the_last_good_checkpo
 @pytest.mark.parametrize("error,code", [
     ("diverged", 65), ("disk_full", 74), ("user", 2)])
 def test_worker_exit_codes_of_failures_a_restart_would_repeat(capfd, monkeypatch, error, code):
-    from ddpkit.durable import DiskFullError
     from ddpkit.errors import ConfigError
+    from ddpkit.files.durable import DiskFullError
     from ddpkit.train.divergence import DivergedError
     from ddpkit.train.entry import run_entry
 

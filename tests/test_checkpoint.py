@@ -264,7 +264,7 @@ def test_every_checkpoint_appears_whole_by_rename_never_written_in_place(tmp_pat
     """Atomic write: the step's directory is written under a hidden temporary name (its
     files too, each renamed into place) and the directory renamed to its final name last
     (the commit), so a reader or a crash never sees a half-written checkpoint."""
-    from ddpkit import durable
+    from ddpkit.files import durable
 
     written, renamed = [], []
     real_open, real_replace = open, os.replace
@@ -278,7 +278,7 @@ def test_every_checkpoint_appears_whole_by_rename_never_written_in_place(tmp_pat
         renamed.append((os.path.basename(src), os.path.basename(dst)))
         return real_replace(src, dst)
 
-    # Every file of a checkpoint is written through ddpkit.durable.
+    # Every file of a checkpoint is written through ddpkit.files.durable.
     monkeypatch.setattr(durable, "open", recording_open, raising=False)
     monkeypatch.setattr(durable.os, "replace", recording_replace)
     model, opt, _ = trained()
@@ -445,7 +445,7 @@ def test_a_full_disk_in_any_dcp_write_is_a_disk_full_error_that_crosses_ranks(tm
 
     from chaos_harness import fill, small_filesystem_or_skip
     from ddpkit.checkpoint.dcp_files import hashing_writer
-    from ddpkit.durable import DiskFullError
+    from ddpkit.files.durable import DiskFullError
 
     state = {"model": {"w": torch.randn(64, 64), "b": torch.randn(64)}}
     with small_filesystem_or_skip(256) as where:
@@ -472,7 +472,7 @@ def test_which_failed_writes_are_taken_for_a_full_disk(monkeypatch, tmp_path):
     next to nothing is free; any other error never."""
     import errno
 
-    from ddpkit import durable
+    from ddpkit.files import durable
 
     enospc = OSError(errno.ENOSPC, "No space left on device")
     short_write = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")

@@ -3,7 +3,7 @@ running when the interpreter starts finalizing.
 
 The failure this guards against: a gloo thread that frees a finished collective's Python
 objects after finalization began aborts the process ("terminate called without an
-active exception", SIGABRT) after a program that succeeded (ddpkit/lifetime.py). It is
+active exception", SIGABRT) after a program that succeeded (ddpkit/runtime/lifetime.py). It is
 rare and load-dependent, so counting exits alone can miss it; what makes it possible at
 all is deterministic: a process group whose threads are still alive when the last atexit
 handler runs. Each program here is run as a user runs it (each rank its own process,

@@ -44,7 +44,7 @@ def _read_csv(path) -> list[dict]:
 def test_cli_sweep_prints_table_and_writes_files(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "ddpkit.cli", "bench", "collectives", "--nproc", "2",
+        [sys.executable, "-m", "ddpkit.cli", "bench", "collectives", "--nproc-per-node", "2",
          "--algo", "ring,backend", "--sizes", "4K,256K", "--warmup", "1", "--repeats", "2",
          "--out-dir", str(out)],
         cwd=str(tmp_path), capture_output=True, text=True, timeout=240,
@@ -99,7 +99,7 @@ def test_sweep_on_three_ranks_other_collective(pools):
         (("--algo", "ring,nope"), "--algo 'nope' is not registered"),
         (("--algo", "ring,ring"), "lists a name twice"),
         (("--op", "alltoall"), "--op 'alltoall'"),
-        (("--nproc", "1"), "--nproc must be >= 2"),
+        (("--nproc-per-node", "1"), "--nproc-per-node must be >= 2"),
         (("--sizes", "1Q"), "cannot read size"),
         (("--dtype", "float8"), "--dtype 'float8'"),
     ],

@@ -18,8 +18,8 @@ import termios
 from pathlib import Path
 
 from conftest import ROOT
-from ddpkit import console as console_mod
-from ddpkit.console import MAX_COLUMNS, Console, columns, progress_text
+from ddpkit.launcher import console as console_mod
+from ddpkit.launcher.console import MAX_COLUMNS, Console, columns, progress_text
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

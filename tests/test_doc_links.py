@@ -72,3 +72,34 @@ def test_the_check_knows_githubs_anchors_and_sees_a_broken_link(tmp_path):
     assert anchors(tmp_path / "a.md") == {"title", "same", "same-1", "own"}
     assert broken(tmp_path / "a.md") == ["b.md: no such file",
                                          "#gone: no heading with that anchor in a.md"]
+
+
+TEST_REFERENCE = re.compile(r"(?<![\w/])(?:tests/)?(test_\w+\.py)(?:::(test_\w+))?")
+
+
+def missing_tests(text: str) -> list[str]:
+    """``test_x.py`` and ``test_x.py::test_name`` references that name no file of tests/
+    or no test function in it (``test_join_*`` names a prefix)."""
+    bad = []
+    for found in TEST_REFERENCE.finditer(text):
+        path = Path(ROOT, "tests", found.group(1))
+        if not path.exists():
+            bad.append(f"{found.group(0)}: no such file")
+        elif found.group(2) and not re.search(rf"def {found.group(2)}", path.read_text()):
+            bad.append(f"{found.group(0)}: no such test")
+    return bad
+
+
+DOC_PAGES = [p for p in PAGES if p.parent.name != "benchmarks"]  # RESULTS.md cites history
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=[str(p.relative_to(ROOT)) for p in DOC_PAGES])
+def test_every_test_a_page_cites_exists(page):
+    assert missing_tests(page.read_text()) == []
+
+
+def test_the_test_check_sees_a_renamed_test():
+    assert missing_tests("`test_cli.py::test_verify_lists_only_options_it_uses`, "
+                         "`tests/test_ddp.py::test_join_*`") == []
+    assert missing_tests("`test_cli.py::test_gone` and tests/test_gone.py") == [
+        "test_cli.py::test_gone: no such test", "tests/test_gone.py: no such file"]

@@ -312,9 +312,9 @@ def test_training_options_table_lists_every_train_option():
 
 def test_small_settings_go_to_their_command_before_the_comment():
     code = ("ddpkit train --lr 1  # note\necho ddpkit train\n  ddpkit verify \\\n"
-            "  --steps 2\nddpkit plan project\nddpkit bench collectives --nproc 2\n")
+            "  --steps 2\nddpkit plan project\nddpkit bench collectives --nproc-per-node 2\n")
     settings = "train --epochs 1; verify --dtype float64; bench collectives --sizes 1K"
     assert with_small_settings(code, settings) == (
         "ddpkit train --lr 1 --epochs 1  # note\necho ddpkit train\n"
         "  ddpkit verify    --steps 2 --dtype float64\nddpkit plan project\n"
-        "ddpkit bench collectives --nproc 2 --sizes 1K\n")
+        "ddpkit bench collectives --nproc-per-node 2 --sizes 1K\n")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.writer_fence import FENCE_FILE
+from ddpkit.elastic.writer_fence import FENCE_FILE
 from elastic_cluster import (
     CHECKPOINT,
     JOB,

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit import host_change, rendezvous, torchrun_args
 from ddpkit.checkpoint import Checkpointer, CheckpointError
+from ddpkit.elastic import host_change, rendezvous
+from ddpkit.elastic.host_lease import Lease
+from ddpkit.elastic.writer_fence import GENERATION_ENV, StaleWriterError, claim, held
 from ddpkit.errors import ConfigError
-from ddpkit.host_lease import Lease
-from ddpkit.launch import LaunchOptions, torchrun_argv
-from ddpkit.writer_fence import GENERATION_ENV, StaleWriterError, claim, held
+from ddpkit.launcher import torchrun_args
+from ddpkit.launcher.launch import LaunchOptions, torchrun_argv
 
 SCRIPT = str(Path(__file__).resolve())
 
@@ -146,7 +147,7 @@ def test_a_launcher_step_note_is_its_own_and_dead_launchers_notes_are_removed(
     import subprocess
     import tempfile
 
-    from ddpkit import membership
+    from ddpkit.elastic import membership
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     gone = subprocess.Popen(["true"])

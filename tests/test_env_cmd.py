@@ -26,7 +26,9 @@ def test_env_reports_versions_backends_and_distributed_variables():
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert torch.__version__ in text
-    from ddpkit.torch_target import TORCH_CHECKED  # the release the workarounds were checked on
+    from ddpkit.runtime.torch_target import (
+        TORCH_CHECKED,  # the release the workarounds were checked on
+    )
     assert any(line.split() == ["torch", "checked", TORCH_CHECKED] for line in text.splitlines())
     assert sys.version.split()[0] in text
     for key in ("backend gloo", "backend nccl", "backend mpi", "backend ucc", "cpu cores",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpkit.fault import EXIT_PREEMPTED
+from ddpkit.exit_codes import EXIT_PREEMPTED
 from ddpkit.loop.metrics_log import read_records
 from ddpkit.loop.sample_ids import read_sample_logs
 from test_exact import DROPOUT, _restoring, _trainer_params

@@ -170,7 +170,7 @@ def test_a_worker_with_an_idle_executor_thread_exits():
     import sys
 
     program = ("from concurrent.futures import ThreadPoolExecutor\n"
-               "from ddpkit.process_exit import exit_process\n"
+               "from ddpkit.runtime.process_exit import exit_process\n"
                "pool = ThreadPoolExecutor(1)\n"
                "pool.submit(print, 'compiled').result()\n"
                "exit_process(0)\n")

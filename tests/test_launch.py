@@ -15,7 +15,7 @@ import torch.distributed.run  # noqa: F401
 
 from conftest import ROOT
 from ddpkit import ConfigError
-from ddpkit.launch import LaunchOptions, torchrun_argv
+from ddpkit.launcher.launch import LaunchOptions, torchrun_argv
 
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
 
@@ -127,7 +127,7 @@ def _failure(exitcode, timestamp=100, message="", recorded=False):
 
 
 def test_root_cause_is_the_killed_rank_not_the_survivor_the_agent_stopped():
-    from ddpkit.failure_report import root_cause
+    from ddpkit.launcher.failure_report import root_cause
 
     # rank 1 was SIGKILLed; the agent then SIGTERMed rank 0 in the same second.
     assert root_cause({0: _failure(-15), 1: _failure(-9)})[0] == 1
@@ -136,7 +136,7 @@ def test_root_cause_is_the_killed_rank_not_the_survivor_the_agent_stopped():
 
 
 def test_root_cause_prefers_the_raiser_over_peers_that_lost_it():
-    from ddpkit.failure_report import root_cause
+    from ddpkit.launcher.failure_report import root_cause
 
     failures = {0: _failure(1, message="DistBackendError: Connection closed by peer"),
                 1: _failure(1, message="ValueError: bad batch"),
@@ -148,7 +148,7 @@ def test_root_cause_prefers_the_raiser_over_peers_that_lost_it():
 
 
 def test_root_cause_is_the_raiser_even_when_the_agent_stopped_it_while_it_wound_down(capsys):
-    from ddpkit.failure_report import report_failure, root_cause
+    from ddpkit.launcher.failure_report import report_failure, root_cause
 
     # Rank 1 raised and recorded it; rank 0 saw the connection drop and exited first, so
     # the agent SIGTERMed rank 1 during its interpreter shutdown (seen in CI).
@@ -188,7 +188,7 @@ def test_root_cause_is_the_raiser_even_when_the_agent_stopped_it_while_it_wound_
     # torch's own record of a rank that wrote no error file reads as not recorded.
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from ddpkit.failure_report import _recorded
+    from ddpkit.launcher.failure_report import _recorded
 
     assert not _recorded(ProcessFailure(local_rank=0, pid=1, exitcode=-15,
                                         error_file="/nonexistent/error.json"))

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpkit import ConfigError, cli, torchrun_args
-from ddpkit.host_malloc import KEEP_LARGE_BLOCKS
+from ddpkit import ConfigError, cli
+from ddpkit.launcher import torchrun_args
+from ddpkit.launcher.worker_heap import KEEP_LARGE_BLOCKS
 
 PROBE = r"""
 import json, os, sys
@@ -51,13 +52,13 @@ DDPKIT_LAUNCH = [sys.executable, "-m", "ddpkit.cli", "launch"]
 TIMEOUT_S = 120
 # Set in the workers' environment by ddpkit only, on purpose: the CLI's logging mark
 # (ddpkit's workers log to stderr, ddpkit/log.py) and, with --max-restarts, no rendezvous
-# store shared between attempts (pytorch/pytorch#135712, see ddpkit/launch.py), which the
+# store shared between attempts (pytorch/pytorch#135712, see ddpkit/launcher/launch.py), which the
 # workers see as TORCHELASTIC_USE_AGENT_STORE=False; and the file rank 0 writes its
-# progress to for the launcher to draw (ddpkit/console.py); and the mark that turns a
+# progress to for the launcher to draw (ddpkit/launcher/console.py); and the mark that turns a
 # DdpkitError escaping the script into one line and exit 2 (ddpkit/errors.py).
 # GLOO_SOCKET_IFNAME: a single-node run's gloo sockets on loopback only. The glibc
-# settings that keep large freed blocks in the workers' heaps (ddpkit/host_malloc.py).
-# DDPKIT_ENGINE: torch's DDP and CPU collectives made ddpkit's (ddpkit/engine_hook.py).
+# settings that keep large freed blocks in the workers' heaps (ddpkit/launcher/worker_heap.py).
+# DDPKIT_ENGINE: torch's DDP and CPU collectives made ddpkit's (ddpkit/launcher/engine_choice.py).
 DDPKIT_ONLY_ENV = {"DDPKIT_CLI_LOGGING", "DDPKIT_PROGRESS_FILE", "DDPKIT_ONE_LINE_ERRORS",
                    "DDPKIT_LAUNCHER_PID", "GLOO_SOCKET_IFNAME", "DDPKIT_ENGINE",
                    *KEEP_LARGE_BLOCKS}

@@ -1,8 +1,9 @@
-"""The line between the application and the library (docs/architecture.md, "Layers"):
-no module outside the application imports it, whichever package it lives in. The
-before-stop hook's import_layers.py checks a fixed list of library packages; this test
-covers every module, so a new library package (ddpkit.loop, ddpkit.plan, ...) is held to
-the rule the day it is added."""
+"""The layers (docs/architecture.md, "Layers"): no module outside the application imports
+it, whichever package it lives in, and the foundation imports neither the library nor a
+foundation package above its own. The before-stop hook's import_layers.py checks a fixed
+list of library packages; this test covers every module, and every module must belong to
+a layer, so a new package (ddpkit.loop, ddpkit.plan, ...) is held to the rules the day it
+is added."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ import ddpkit
 
 PACKAGE = Path(ddpkit.__file__).parent
 APPLICATION = ("ddpkit.cli", "ddpkit.commands", "ddpkit.train", "ddpkit.bench")
+LIBRARY = ("ddpkit.loop", "ddpkit.parallel", "ddpkit.comm", "ddpkit.data", "ddpkit.checkpoint",
+           "ddpkit.fault", "ddpkit.plan")
+# The foundation from the bottom up: a module may import its own level and those before it.
+FOUNDATION = (
+    ("ddpkit.errors", "ddpkit.log", "ddpkit.help_text", "ddpkit.slice_count", "ddpkit.exit_codes",
+     "ddpkit.vocabulary"),
+    ("ddpkit.runtime",),
+    ("ddpkit.files",),
+    ("ddpkit.elastic",),
+    ("ddpkit.launcher",),
+)
 
 
 def _module_name(path: Path) -> str:
@@ -70,3 +82,65 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     assert upward_imports() == ["ddpkit.loop -> ddpkit.train",
                                 "ddpkit.loop -> ddpkit.train.trainer",
                                 "ddpkit.loop.run -> ddpkit.commands.train"]
+
+
+def _foundation_level(name: str) -> int | None:
+    for level, packages in enumerate(FOUNDATION):
+        if _in(name, packages):
+            return level
+    return None
+
+
+def unplaced_modules() -> list[str]:
+    """Modules of no layer: each package and top-level module must be placed in one."""
+    return [module for path in sorted(PACKAGE.rglob("*.py"))
+            if (module := _module_name(path)) != "ddpkit"
+            and not _in(module, APPLICATION + LIBRARY)
+            and _foundation_level(module) is None]
+
+
+def foundation_breaches() -> list[str]:
+    """Foundation modules importing the library, the application, or a foundation
+    package above their own level."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        level = _foundation_level(module)
+        if level is None:
+            continue
+        for target in sorted(_imports(path, module)):
+            if target == "ddpkit" or not target.startswith("ddpkit."):
+                continue
+            target_level = _foundation_level(target)
+            if target_level is None or target_level > level:
+                bad.append(f"{module} -> {target}")
+    return bad
+
+
+def test_every_module_belongs_to_a_layer():
+    assert unplaced_modules() == []
+
+
+def test_the_foundation_imports_only_its_own_level_and_below():
+    assert foundation_breaches() == []
+
+
+def test_the_foundation_check_sees_a_breach(tmp_path, monkeypatch):
+    """The checks can fail: a runtime module importing the launcher, the durable files
+    importing the library, and a new top-level module that no layer claims."""
+    fake = tmp_path / "ddpkit"
+    for package in ("runtime", "files", "launcher"):
+        (fake / package).mkdir(parents=True)
+        (fake / package / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text("")
+    (fake / "runtime" / "world.py").write_text("from ddpkit.errors import ConfigError\n"
+                                               "from ..launcher import launch\n")
+    (fake / "files" / "durable.py").write_text("from ddpkit.runtime import lifetime\n"
+                                               "import ddpkit.checkpoint.store\n")
+    (fake / "launcher" / "launch.py").write_text("from ddpkit.elastic import membership\n")
+    (fake / "gadgets.py").write_text("")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake)
+    assert foundation_breaches() == ["ddpkit.files.durable -> ddpkit.checkpoint.store",
+                                     "ddpkit.runtime.world -> ddpkit.launcher",
+                                     "ddpkit.runtime.world -> ddpkit.launcher.launch"]
+    assert unplaced_modules() == ["ddpkit.gadgets"]

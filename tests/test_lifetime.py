@@ -1,4 +1,4 @@
-"""ddpkit.lifetime: ddpkit keeps no process group alive, closes what it built on a group
+"""ddpkit.runtime.lifetime: ddpkit keeps no process group alive, closes what it built on a group
 when the group dies, and lets go of groups torch's own function defaults captured.
 
 In-process groups of one (HashStore); tests/test_clean_exit.py checks whole programs.
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import ddpkit
-from ddpkit import lifetime
+from ddpkit.runtime import lifetime
 
 
 def thread_names() -> list[str]:

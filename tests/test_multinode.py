@@ -26,7 +26,7 @@ import torch
 
 from chaos_harness import hex_address
 from conftest import ROOT, skip_unless_required
-from ddpkit.launch import LaunchOptions, route_to, torchrun_argv
+from ddpkit.launcher.launch import LaunchOptions, route_to, torchrun_argv
 
 DDPKIT = [sys.executable, "-m", "ddpkit.cli"]
 NODE_TIMEOUT_S = 120

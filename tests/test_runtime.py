@@ -9,7 +9,7 @@ import torch.distributed as dist
 import ddpkit
 from ddpkit import ConfigError, SpawnError
 from ddpkit.log import get_logger
-from ddpkit.runtime import resolve_backend
+from ddpkit.runtime.process_group import resolve_backend
 
 
 def _sum_ranks(world, marker=None):
@@ -147,7 +147,7 @@ def test_port_in_use_is_one_line():
 
 
 def test_world_size_mismatch_is_one_line():
-    from ddpkit.spawn import free_port
+    from ddpkit.runtime.spawn import free_port
 
     env = {
         "RANK": "0",

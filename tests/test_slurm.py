@@ -22,7 +22,7 @@ import pytest
 
 from conftest import ROOT
 from ddpkit import ConfigError, cli
-from ddpkit.slurm_script import SlurmJob, render, time_limit_seconds, write
+from ddpkit.launcher.slurm_script import SlurmJob, render, time_limit_seconds, write
 from test_multinode import (
     NODE_TIMEOUT_S,
     TRAIN_ARGS,
@@ -143,7 +143,7 @@ def test_never_overwrites_without_force(tmp_path):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--nodes", "0", "--gpus-per-node", "8", "--", "train"], "--nodes must be >= 1"),
-    (["--nodes", "2", "--gpus-per-node", "0", "--", "train"], "need --tasks-per-node"),
+    (["--nodes", "2", "--gpus-per-node", "0", "--", "train"], "need --ntasks-per-node"),
     (["--nodes", "2", "--gpus-per-node", "8", "--time", "1:30", "--", "train"],
      "leaves no room before the preemption warning"),
     (["--nodes", "2", "--gpus-per-node", "8", "--", "nope.py"], "does not exist"),
@@ -152,7 +152,7 @@ def test_never_overwrites_without_force(tmp_path):
 ])
 @pytest.mark.unit
 def test_cli_rejects_bad_input_in_one_line(tmp_path, capsys, args, message):
-    assert cli.main(["slurm", "--script", str(tmp_path / "x.sbatch"), *args]) == 2
+    assert cli.main(["slurm", "--out", str(tmp_path / "x.sbatch"), *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ddpkit slurm: error: ") and message in lines[0]
     assert not (tmp_path / "x.sbatch").exists()

@@ -22,8 +22,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from ddpkit import ConfigError, cli, torchrun_args
-from ddpkit.slurm_script import AGENT_SIGNALS, SlurmJob, render, write
+from ddpkit import ConfigError, cli
+from ddpkit.launcher import torchrun_args
+from ddpkit.launcher.slurm_script import AGENT_SIGNALS, SlurmJob, render, write
 from test_multinode import TRAIN_ARGS, assert_same_training, reference_run
 
 JOB_ID = "4343"
@@ -83,7 +84,7 @@ import datetime
 import torch.distributed as dist
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 dist.barrier()
-from ddpkit.world import World
+from ddpkit.runtime.world import World
 world = World.from_env()
 seen["world"] = {"rank": world.rank, "world_size": world.world_size, "source": world.source}
 with open(os.path.join(out, f"trained.rank{seen['RANK']}.json"), "w") as f:
@@ -230,7 +231,7 @@ def test_script_arguments_are_not_expanded_by_the_batch_shell(tmp_path, fake_slu
     (["--launcher", "torchrun", "--max-restarts", "-1"], "--max-restarts must be >= 0"),
 ])
 def test_cli_rejects_bad_launcher_options_in_one_line(tmp_path, capsys, args, message):
-    assert cli.main(["slurm", "--script", str(tmp_path / "x.sbatch"), "--nodes", "2",
+    assert cli.main(["slurm", "--out", str(tmp_path / "x.sbatch"), "--nodes", "2",
                      "--gpus-per-node", "4", *args, "--", "train"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ddpkit slurm: error: ") and message in lines[0]

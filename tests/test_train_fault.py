@@ -39,8 +39,7 @@ from chaos_harness import (
     worker_pid,
 )
 from conftest import skip_unless_required
-from ddpkit.durable import EXIT_DISK_FULL
-from ddpkit.fault import EXIT_HANG, EXIT_PREEMPTED
+from ddpkit.exit_codes import EXIT_DISK_FULL, EXIT_HANG, EXIT_PREEMPTED
 from ddpkit.loop.metrics_log import read_records
 from sample_audit import assert_every_sample_once
 

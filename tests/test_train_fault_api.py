@@ -142,7 +142,7 @@ def test_sample_log_truncation_drops_replayed_steps_and_torn_lines(tmp_path):
 def run_sample_log_on_a_full_disk(world, full_dir, roomy_dir):
     """Rank 1 logs into ``full_dir`` (a filesystem with no space left), rank 0 into
     ``roomy_dir``: what each rank raises, and what each file holds after."""
-    from ddpkit.durable import DiskFullError
+    from ddpkit.files.durable import DiskFullError
 
     log = SampleLog(full_dir if world.rank == 1 else roomy_dir, world.rank)
     try:

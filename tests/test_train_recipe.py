@@ -24,8 +24,8 @@ BASE = {"data": "synthetic", "synthetic_size": 256, "batch_size": 64, "epochs": 
 
 
 def _trainer(**over):
+    from ddpkit.runtime.world import World
     from ddpkit.train.trainer import Trainer
-    from ddpkit.world import World
 
     cfg = resolve({**BASE, **over})
     # One process, no process group: no engine needed.
@@ -122,7 +122,7 @@ def _accumulated(world, batch, accum, size):
 
 @pytest.mark.parametrize("size", [256, 300])  # 300: a partial last group, padded batches
 def test_grad_accum_n_at_batch_b_is_one_step_at_batch_n_times_b(pools, size):
-    from ddpkit.world import World
+    from ddpkit.runtime.world import World
 
     steps_a, a = _accumulated(World(), 32, 4, size)
     steps_b, b = _accumulated(World(), 128, 1, size)

@@ -80,9 +80,9 @@ def test_workers_refuse_a_checkpoint_written_with_other_settings(tmp_path):
     """Trainer.restore applies the launcher's rule (refuse_changed_config) for itself, so
     a worker started by another launcher cannot continue a run under other settings."""
     from ddpkit.checkpoint import CheckpointError
+    from ddpkit.runtime.world import World
     from ddpkit.train.config import Config
     from ddpkit.train.trainer import Trainer
-    from ddpkit.world import World
 
     def plain(module, engine, device):
         return module  # one process, no process group: no engine needed

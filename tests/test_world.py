@@ -3,7 +3,7 @@
 import pytest
 
 from ddpkit import ConfigError, World
-from ddpkit.world import assign_devices
+from ddpkit.runtime.world import assign_devices
 
 CPU = dict(accelerator="cpu", device_count=0)
 

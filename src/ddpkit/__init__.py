@@ -26,9 +26,9 @@ from ddpkit.errors import (
     DdpkitError,
     install_one_line_errors,
 )
-from ddpkit.spawn import SpawnError, spawn
-from ddpkit.topology import Topology
-from ddpkit.world import World
+from ddpkit.runtime.spawn import SpawnError, spawn
+from ddpkit.runtime.topology import Topology
+from ddpkit.runtime.world import World
 
 if os.environ.get(ONE_LINE_ERRORS_ENV) == "1":  # a script under `ddpkit launch`
     install_one_line_errors()
@@ -39,9 +39,9 @@ _LAZY = {
     "DataParallel": "ddpkit.parallel",
     "join": "ddpkit.parallel",
     "Run": "ddpkit.loop",
-    "distributed": "ddpkit.runtime",
-    "init": "ddpkit.runtime",
-    "shutdown": "ddpkit.runtime",
+    "distributed": "ddpkit.runtime.process_group",
+    "init": "ddpkit.runtime.process_group",
+    "shutdown": "ddpkit.runtime.process_group",
     "patch_torch": "ddpkit.parallel.compat.torch_swap",
 }
 _SUBPACKAGES = ("checkpoint", "comm", "data", "fault", "loop", "parallel", "plan")
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from ddpkit.loop import Run
     from ddpkit.parallel import DataParallel, join
     from ddpkit.parallel.compat.torch_swap import patch_torch
-    from ddpkit.runtime import distributed, init, shutdown
+    from ddpkit.runtime.process_group import distributed, init, shutdown
 
 
 def __getattr__(name: str) -> Any:

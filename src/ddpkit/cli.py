@@ -112,6 +112,11 @@ def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argp
         parser.error(f"unknown option {first.split('=')[0]}: options go after the command "
                      f"(ddpkit COMMAND {first}); commands: {', '.join(COMMANDS)}")
     args, extra = parser.parse_known_args(argv)
+    not_taken = getattr(args._parser, "not_taken", {})  # flags a command leaves out, and why
+    for word in extra:
+        flag = word.split("=")[0]
+        if flag in not_taken:
+            args._parser.error(f"{flag} is not a {args._parser.prog} option: {not_taken[flag]}")
     if extra:
         words = " ".join(extra)
         args._parser.error(f"unrecognized arguments: {words}")
@@ -138,9 +143,9 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> NoReturn:
     """The ``ddpkit`` program (its console script and ``python -m ddpkit.cli``): ``main``,
     then a success ends without the interpreter's finalization, as every worker does
-    (:mod:`ddpkit.process_exit`): the launcher's agent imported torch, and its teardown
+    (:mod:`ddpkit.runtime.process_exit`): the launcher's agent imported torch, and its teardown
     is work nobody waits for. ``main`` itself returns, for callers in a process of their own."""
-    from ddpkit.process_exit import exit_process
+    from ddpkit.runtime.process_exit import exit_process
 
     exit_process(main())
 

@@ -3,7 +3,7 @@ PYTHONPATH names this directory): ddpkit's teardown at interpreter exit, for the
 
 torch alone can abort at exit after a program that succeeded: a gloo thread frees a
 collective's Python objects after the interpreter began finalizing ("terminate called
-without an active exception"; ddpkit/lifetime.py, benchmarks/clean_exit.py measures how
+without an active exception"; ddpkit/runtime/lifetime.py, benchmarks/clean_exit.py measures how
 often). A reference run that aborted after writing its results would fail a test for a
 defect that is torch's, and a test must not retry it. The program itself runs
 unchanged: this only registers ddpkit's teardown first, so it runs after the program's
@@ -16,7 +16,7 @@ import sys
 
 def _teardown() -> None:
     if "torch.distributed" in sys.modules:
-        from ddpkit import lifetime
+        from ddpkit.runtime import lifetime
 
         lifetime.exit_teardown(destroy_default=True)
 

@@ -257,7 +257,8 @@ def check_config(cfg: BenchConfig) -> None:
     if cfg.op not in OPS:
         raise ConfigError(f"--op {cfg.op!r} is not one of {', '.join(OPS)}")
     if cfg.nproc < 2:
-        raise ConfigError(f"--nproc must be >= 2 (a collective needs peers), got {cfg.nproc}")
+        raise ConfigError(f"--nproc-per-node must be >= 2 (a collective needs peers), "
+                          f"got {cfg.nproc}")
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"--dtype {cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     if cfg.repeats < 1 or cfg.warmup < 0:
@@ -273,7 +274,7 @@ def check_config(cfg: BenchConfig) -> None:
 
 
 def run(cfg: BenchConfig) -> BenchResult:
-    from ddpkit.spawn import spawn
+    from ddpkit.runtime.spawn import spawn
 
     check_config(cfg)
     started = time.time()

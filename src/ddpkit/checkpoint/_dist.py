@@ -21,7 +21,7 @@ def _world_size() -> int:
 
 def local_device() -> torch.device:
     """The device this process drives: where checkpoint tensors should land on load."""
-    from ddpkit.runtime import current_world
+    from ddpkit.runtime.process_group import current_world
 
     world = current_world()
     if world is not None:

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.checkpoint._dist import _initialized, _rank, _world_size
-from ddpkit.durable import CountingSink, DiskFullError
 from ddpkit.errors import DdpkitError
+from ddpkit.files.durable import CountingSink, DiskFullError
 
 DCP_KEYS = ("model", "optimizer")  # what goes into DCP; the rest is the run's own state
 IN_DCP = "in_dcp"  # run.pt's list of the DCP_KEYS its DCP checkpoint holds

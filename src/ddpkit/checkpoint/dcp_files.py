@@ -12,7 +12,7 @@ the caller; here:
   ``weights_only=True`` (DCP's default planner would unpickle them freely);
 * a failure on any rank, which DCP raises as a ``CheckpointException`` (a
   ``BaseException``) on every rank, becomes one line: a full disk as
-  :class:`~ddpkit.durable.DiskFullError`, anything else as text naming the rank.
+  :class:`~ddpkit.files.durable.DiskFullError`, anything else as text naming the rank.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from ddpkit.durable import DiskFullError, failed_for_space, free_bytes, is_disk_full
+from ddpkit.files.durable import DiskFullError, failed_for_space, free_bytes, is_disk_full
 
 METADATA = ".metadata"  # DCP's name for the file it writes last
 DATA_SUFFIX = ".distcp"

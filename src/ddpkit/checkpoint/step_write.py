@@ -11,7 +11,7 @@ Collective; the order matters for what a crash or a failure leaves:
 5. rank 0 writes the manifest, fsyncs the directory and commits (the caller's rename).
 
 A failure anywhere removes the temporary directory and raises the same error on every
-rank (a full disk as :class:`~ddpkit.durable.DiskFullError` naming the checkpoint).
+rank (a full disk as :class:`~ddpkit.files.durable.DiskFullError` naming the checkpoint).
 """
 
 from __future__ import annotations
@@ -45,7 +45,14 @@ from ddpkit.checkpoint.dcp_files import (
     failure_text,
     hashing_writer,
 )
-from ddpkit.durable import TMP_MARK, DiskFullError, atomic_file, free_bytes, fsync_dir, write_atomic
+from ddpkit.files.durable import (
+    TMP_MARK,
+    DiskFullError,
+    atomic_file,
+    free_bytes,
+    fsync_dir,
+    write_atomic,
+)
 
 
 def _fqn_keyed(name: str, value: Any) -> bool:

@@ -21,7 +21,7 @@ What DCP leaves to its caller:
 * **Verified loads.** ``latest()`` walks back from the newest checkpoint, checks every
   file against the manifest and skips, with a warning naming the damage, any that
   fails; a damaged checkpoint is never used.
-* **A full disk is named**: one :class:`~ddpkit.durable.DiskFullError` on every rank,
+* **A full disk is named**: one :class:`~ddpkit.files.durable.DiskFullError` on every rank,
   nothing left behind.
 * **Every rank agrees**: a failure on any rank raises the same error on every rank.
 * **No code from files**: ``run.pt`` loads ``weights_only``; DCP's pickled ``.metadata``
@@ -54,9 +54,9 @@ from ddpkit.checkpoint.common import (
     _sha256_file,
     load_payload,
 )
-from ddpkit.durable import TMP_MARK, DiskFullError, free_bytes, fsync_dir, is_disk_full
+from ddpkit.elastic.writer_fence import StaleWriterError, claim, held
+from ddpkit.files.durable import TMP_MARK, DiskFullError, free_bytes, fsync_dir, is_disk_full
 from ddpkit.log import get_logger
-from ddpkit.writer_fence import StaleWriterError, claim, held
 
 log = get_logger(__name__)
 

@@ -44,12 +44,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ddpkit import lifetime
 from ddpkit.comm import groups
 from ddpkit.comm.shm import segment
 from ddpkit.comm.shm.communicator import host_key
 from ddpkit.comm.shm.sync import memory_model_ok
 from ddpkit.errors import CommError
+from ddpkit.runtime import lifetime
 
 ALGOS = ("shm", "hierarchical", "backend")
 

@@ -16,12 +16,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ddpkit import lifetime
 from ddpkit.comm import agreement, groups, lanes, ops, registry
 from ddpkit.comm.agreement import CallSignature
 from ddpkit.comm.lanes import CommHandle
 from ddpkit.comm.ops import dtype_label
 from ddpkit.errors import CommError
+from ddpkit.runtime import lifetime
 
 Op = str | dist.ReduceOp
 Result = CommHandle | None

@@ -29,7 +29,7 @@ def _nothing() -> None:
     return None
 
 
-# [the default group, weakly (remembering a route keeps no group alive: ddpkit.lifetime),
+# [the default group, weakly (remembering a route keeps no group alive: ddpkit.runtime.lifetime),
 #  the algorithm table's version, {(dtype, device type, op): route}]
 _owner: list = [_nothing, -1, {}]
 

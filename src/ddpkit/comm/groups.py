@@ -22,7 +22,7 @@ def _default_group() -> None:
 @dataclass(frozen=True)
 class GroupView:
     # Weak: views are cached per group, and a cache must not keep its group (and the
-    # group's backend threads) alive past destroy_process_group (ddpkit.lifetime).
+    # group's backend threads) alive past destroy_process_group (ddpkit.runtime.lifetime).
     group_ref: Callable[[], dist.ProcessGroup | None]
     rank: int  # this process's rank inside the group
     size: int

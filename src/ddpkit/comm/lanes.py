@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddpkit import lifetime
 from ddpkit.errors import CommError
+from ddpkit.runtime import lifetime
 
 
 class CommHandle:

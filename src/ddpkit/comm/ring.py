@@ -24,7 +24,7 @@ so a segment sent by rank r has exactly the size rank r+1 posted for it (gloo ab
 the process on a size mismatch; the caller's agreement check guards the sizes). That
 check is the public layer's agreement all-gather: a fixed-size signature header sent
 around the ring instead, with small payloads riding in it, was built and measured on
-gloo and was not reliably cheaper (docs/collectives.md, benchmarks/RESULTS.md).
+gloo and was not reliably cheaper (docs/collectives.md, benchmarks/RESULTS-history.md).
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from ddpkit import lifetime
 from ddpkit.comm import collectives, fast_path, ops, registry
+from ddpkit.runtime import lifetime
 
 NAMES = ("all_reduce", "broadcast", "reduce", "barrier", "all_gather")
 # The reductions torch's own tests run on ddpkit's functions (sum, product, min, max).

@@ -11,6 +11,7 @@ import os
 import sys
 
 from ddpkit.commands import bench_shm
+from ddpkit.commands.old_spellings import keep_old_spellings
 from ddpkit.commands.out_dir import fresh_dir
 from ddpkit.errors import ConfigError
 
@@ -30,7 +31,8 @@ def _register_collectives(bench_sub) -> None:
         "each algorithm, alternating algorithms so noise hits all alike. Prints a table "
         "(bytes, elements, time, algbw, busbw) and writes CSV, JSON and a PNG plot.",
     )
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn on this machine")
+    p.add_argument("--nproc-per-node", type=int, default=2, metavar="N",
+                   help="ranks to spawn on this machine")
     p.add_argument("--op", default="all_reduce",
                    help="all_reduce, reduce_scatter, all_gather, broadcast or reduce")
     p.add_argument("--algo", default="ring,backend",
@@ -42,12 +44,13 @@ def _register_collectives(bench_sub) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds per size")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per size (median)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per rank (default: cores / nproc)")
+                   help="torch threads per rank (default: cores / --nproc-per-node)")
     p.add_argument("--out-dir", default=None,
                    help="where CSV/JSON/PNG go (default: runs/bench-collectives-<time>)")
     p.add_argument("--no-check", action="store_true",
                    help="skip comparing each algorithm's result with torch's before timing")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    keep_old_spellings(p, "bench collectives")
     p.set_defaults(func=run_collectives)
 
 
@@ -57,8 +60,8 @@ def run_collectives(args) -> int:
     algos = tuple(a.strip() for a in args.algo.split(",") if a.strip())
     cfg = bench.BenchConfig(
         op=args.op, algos=algos, sizes=tuple(bench.parse_sizes(args.sizes)), dtype=args.dtype,
-        nproc=args.nproc, warmup=args.warmup, repeats=args.repeats, check=not args.no_check,
-        threads=args.threads,
+        nproc=args.nproc_per_node, warmup=args.warmup, repeats=args.repeats,
+        check=not args.no_check, threads=args.threads,
     )
     bench.check_config(cfg)
     out_dir = args.out_dir or fresh_dir(os.path.join("runs", "bench-collectives"))

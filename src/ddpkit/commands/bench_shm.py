@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ddpkit.commands.old_spellings import keep_old_spellings
 from ddpkit.commands.out_dir import fresh_dir
 from ddpkit.errors import ConfigError
 
@@ -23,7 +24,8 @@ def register(bench_sub) -> None:
             "buckets get). Prints time, bus bandwidth and ratio to gloo, checks the "
             "targets, writes CSV, JSON and a PNG."),
     )
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn on this machine")
+    p.add_argument("--nproc-per-node", type=int, default=2, metavar="N",
+                   help="ranks to spawn on this machine")
     p.add_argument("--sizes", default=None,
                    help="comma-separated message sizes, e.g. 4,64K,4M (default: "
                         "4,1K,16K,64K,256K,1M,4M,16M,32M)")
@@ -32,6 +34,7 @@ def register(bench_sub) -> None:
     p.add_argument("--out-dir", default=None,
                    help="where CSV/JSON/PNG go (default: runs/bench-shm-<time>)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    keep_old_spellings(p, "bench shm")
     p.set_defaults(func=run)
 
 
@@ -40,8 +43,9 @@ def run(args) -> int:
 
     args.sizes = args.sizes or shm_bench.DEFAULT_SIZES
 
-    if args.nproc < 2:
-        raise ConfigError(f"--nproc must be >= 2 to compare all-reduces, got {args.nproc}")
+    if args.nproc_per_node < 2:
+        raise ConfigError(f"--nproc-per-node must be >= 2 to compare all-reduces, got "
+                          f"{args.nproc_per_node}")
     try:
         sizes = tuple(shm_bench.parse_size(s) for s in args.sizes.split(",") if s.strip())
     except ValueError:
@@ -53,11 +57,11 @@ def run(args) -> int:
     out_dir = args.out_dir or fresh_dir(os.path.join("runs", "bench-shm"))
     if os.path.exists(os.path.join(out_dir, "shm.json")):
         raise ConfigError(f"{out_dir}/shm.json exists; pass another --out-dir")
-    print(f"ddpkit bench shm: {args.nproc} ranks, {len(sizes)} sizes; progress below",
+    print(f"ddpkit bench shm: {args.nproc_per_node} ranks, {len(sizes)} sizes; progress below",
           file=sys.stderr)
-    cfg = shm_bench.Config(nprocs=args.nproc, sizes=sizes, budget_s=args.budget)
+    cfg = shm_bench.Config(nprocs=args.nproc_per_node, sizes=sizes, budget_s=args.budget)
     rows = shm_bench.run(cfg)
-    print(shm_bench.shm_table(rows, args.nproc))
+    print(shm_bench.shm_table(rows, args.nproc_per_node))
     paths = shm_bench.write_outputs(rows, out_dir, plot=not args.no_plot)
     print(f"# wrote {', '.join(paths)}")
     return 0

@@ -7,7 +7,7 @@ import platform
 import shutil
 import sys
 
-from ddpkit.torch_target import TORCH_CHECKED
+from ddpkit.runtime.torch_target import TORCH_CHECKED
 
 # Variables that decide how a distributed run starts; their values go in a bug report.
 _ENV_EXACT = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from ddpkit.commands.old_spellings import keep_old_spellings
 from ddpkit.commands.out_dir import fresh_dir
 from ddpkit.errors import ConfigError
 from ddpkit.plan.model import DEVICES, PRESETS
@@ -36,12 +37,14 @@ def register(sub) -> None:
     c.add_argument("--from", dest="from_json", default=None, metavar="BENCH.json",
                    help="a `ddpkit bench collectives` JSON file (default: measure now)")
     c.add_argument("--algo", default="backend", help="which algorithm's rows to fit")
-    c.add_argument("--nproc", type=int, default=2, help="ranks to measure with")
+    c.add_argument("--nproc-per-node", type=int, default=2, metavar="N",
+                   help="ranks to measure with, on this machine")
     c.add_argument("--sizes", default="4K:64M:4", help="sizes to measure (MIN:MAX:FACTOR)")
     c.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     c.add_argument("--repeats", type=int, default=5, help="timed rounds per size (median)")
     c.add_argument("--out", default="calibration.json", help="where to write the fit")
     c.add_argument("--force", action="store_true", help="replace --out if it exists")
+    keep_old_spellings(c, "plan calibrate")
     c.set_defaults(func=run_calibrate)
 
     v = plan_sub.add_parser("validate", help="predicted vs measured DDP step of an MLP here")
@@ -141,11 +144,11 @@ def run_calibrate(args) -> int:
         points, nranks = calibrate.points_from_bench_json(args.from_json, args.algo)
         source = f"from {args.from_json}"
     else:
-        print(f"ddpkit plan calibrate: timing all_reduce on {args.nproc} ranks, sizes "
+        print(f"ddpkit plan calibrate: timing all_reduce on {args.nproc_per_node} ranks, sizes "
               f"{args.sizes}; progress below", file=sys.stderr)
-        result = _measure_all_reduce(args.nproc, args.sizes, args.threads, args.repeats)
+        result = _measure_all_reduce(args.nproc_per_node, args.sizes, args.threads, args.repeats)
         points = [(r.bytes, r.time_us * 1e-6) for r in result.rows]
-        nranks = args.nproc
+        nranks = args.nproc_per_node
         source = (f"measured {time.strftime('%Y-%m-%d %H:%M')}, {args.threads} thread(s)/rank, "
                   f"load {result.meta.get('loadavg_at_end')}")
     cal = calibrate.fit(points, nranks, source)

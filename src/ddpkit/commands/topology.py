@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpkit.topology import Topology
+from ddpkit.runtime.topology import Topology
 
 
 def register(sub) -> None:

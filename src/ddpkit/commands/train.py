@@ -1,7 +1,7 @@
 """``ddpkit train``: the main job - synchronous data-parallel SGD on real data.
 
 Run plainly, it launches itself on N local processes through torchrun's agent
-(``ddpkit.launch``; default one per GPU, or 2 on CPU) with ``python -m
+(``ddpkit.launcher.launch``; default one per GPU, or 2 on CPU) with ``python -m
 ddpkit.train.worker``. Run under a launcher (torchrun, srun, mpirun) it is one worker.
 Options, the config file, the data and a run to resume are checked here, before any
 process starts.
@@ -24,12 +24,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ddpkit.commands.launch import add_launch_options, options_from_args
+from ddpkit.commands.launch import options_from_args
 from ddpkit.errors import ConfigError
-from ddpkit.launcher_link import child_pids
-from ddpkit.run_lock import RunLock
-from ddpkit.train.config import Config, resolve
+from ddpkit.launcher.torchrun_args import add_launch_options
+from ddpkit.runtime.launcher_link import child_pids
+from ddpkit.train import report
+from ddpkit.train.config import Config
 from ddpkit.train.options import add_run_options, add_train_options, config_from_args
+from ddpkit.train.run_plan import RunPlan
 
 WORKER_MODULE = "ddpkit.train.worker"
 
@@ -57,33 +59,6 @@ def register(sub) -> None:
                    help="several nodes: how long to wait for the first node to answer and "
                         "for every node to join (default: 60 s to answer, 600 s to join)")
     p.set_defaults(func=run)
-
-
-def prepare_run_dir(cfg: Config, run_dir: str | None, single_node: bool,
-                    world_size: int) -> Path | None:
-    """The run directory, made before launching so restarted workers share it.
-
-    Multi-node without ``--run-dir``: each node's launcher would make its own, so rank 0
-    of the job makes one instead (and restarts cannot find its checkpoints).
-    """
-    from ddpkit.train import report
-
-    if run_dir is not None:  # new or empty (resume.run_to_continue decided)
-        path = Path(run_dir)
-        try:
-            path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"--run-dir {path}: cannot create it ({exc.strerror})") from None
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise ConfigError(f"--run-dir {path} is not writable; choose another")
-        return path
-    report.check_out_dir(cfg.train.out_dir)
-    if not single_node:
-        return None
-    from ddpkit.train.recipe import short_name
-
-    tag = f"{short_name(cfg.data.name)}-{short_name(cfg.model.name)}-w{world_size}"
-    return report.new_run_dir(cfg.train.out_dir, tag)
 
 
 @contextlib.contextmanager
@@ -117,34 +92,22 @@ def _finished_since(run_dir: Path, started: float) -> bool:
 def run(args: argparse.Namespace) -> int:
     # Imports that need torch wait until they are needed: the launching process of a
     # default run never imports it (the workers do).
-    from ddpkit.launch import default_nproc
-    from ddpkit.train import resume
+    from ddpkit.launcher.launch import default_nproc
+    from ddpkit.runtime.world import World
     from ddpkit.train.prelaunch import check_data, check_launch, check_world_size
-    from ddpkit.world import World
 
     # Only who started this process matters here, not its devices (which need torch).
     if World.from_env(require_master_addr=False, accelerator="cpu",
                       device_count=0).source != "single":
-        from ddpkit.process_exit import exit_process
+        from ddpkit.runtime.process_exit import exit_process
         from ddpkit.train.worker import run_from_args
 
         # One worker of a job some launcher started (torchrun, srun, mpirun); it ends as
         # every worker does (a success skips finalization, which can abort in gloo).
         exit_process(run_from_args(args))
 
-    resume_dir = None
-    if args.resume is not None:
-        if args.run_dir is not None:
-            raise ConfigError("--resume and --run-dir: give one (--resume RUN_DIR continues "
-                              "RUN_DIR; --run-dir starts a new run there)")
-        out_dir = args.out_dir
-        if out_dir is None and args.resume == resume.LATEST:
-            out_dir = resolve(vars(args), args.config).train.out_dir
-        resume_dir = resume.find_run_dir(args.resume, out_dir or "runs")
-    elif args.run_dir is not None:
-        # The same command line again after a stop (a scheduler's rerun) continues the run.
-        resume_dir = resume.run_to_continue(Path(args.run_dir))
-    cfg = config_from_args(args, resume_dir)
+    plan = RunPlan.from_args(args, launching=True)
+    cfg = config_from_args(args, plan.resume_dir)
     opts = options_from_args(args)
     if args.rdzv_timeout is not None:
         if not args.rdzv_timeout > 0:
@@ -154,47 +117,32 @@ def run(args: argparse.Namespace) -> int:
     check_launch(cfg, opts)
     check_data(cfg)
     single_node = opts.nnodes in ("1", "1:1")
-    run_dir = resume_dir
-    if run_dir is None:
-        nproc = opts.nproc_per_node or default_nproc()
-        run_dir = prepare_run_dir(cfg, args.run_dir, single_node, nproc)
-    lock = None
-    if run_dir is not None and single_node:
-        # One writer per run directory; the workers of this launcher write under its lock.
-        # (Several nodes cannot all hold it: there rank 0 of the job takes it.)
-        lock = RunLock.acquire(run_dir)
-        if args.run_dir is not None:
-            try:
-                _same_as_before_the_lock(Path(args.run_dir), resume_dir)
-            except BaseException:
-                lock.release()
-                raise
+    if plan.run_dir is None:
+        report.check_out_dir(cfg.train.out_dir)
+    if plan.run_dir is not None or single_node:
+        # Made before launching so restarted workers share it. Several nodes without
+        # --run-dir: each node's launcher would make its own, so rank 0 of the job does.
+        plan = plan.made(cfg, opts.nproc_per_node or default_nproc())
+    # One writer per run directory; the workers of this launcher write under its lock.
+    # (Several nodes cannot all hold it: there rank 0 of the job takes it.)
+    lock = plan.lock() if single_node else None
+    if lock is not None:
         opts.extra_env.update(lock.vouch())
     with lock or contextlib.nullcontext():
-        return _launch(args, cfg, opts, run_dir, resume_dir)
+        return _launch(args, cfg, opts, plan)
 
 
-def _same_as_before_the_lock(run_dir: Path, decided: Path | None) -> None:
-    """``--run-dir R`` read again under R's lock: a run that was still going when R was
-    first looked at may have finished (or stopped) since, and is not written twice."""
-    from ddpkit.train import resume
-
-    if resume.run_to_continue(run_dir) != decided:  # a finished run raises its own line
-        raise ConfigError(f"--run-dir {run_dir} was written by another ddpkit train while "
-                          "this one started; run the same command again")
-
-
-def _launch(args: argparse.Namespace, cfg: Config, opts, run_dir: Path | None,
-            resume_dir: Path | None) -> int:
-    from ddpkit.launch import launch
+def _launch(args: argparse.Namespace, cfg: Config, opts, plan: RunPlan) -> int:
+    from ddpkit.exit_codes import EXIT_PREEMPTED
+    from ddpkit.launcher.launch import launch
     from ddpkit.log import get_logger
     from ddpkit.train import resume
-    from ddpkit.train.names import EXIT_PREEMPTED
     from ddpkit.train.prelaunch import quiet_omp_warning
 
-    if resume_dir is not None:
-        info = resume.check_resumable(resume_dir, cfg)
-        if args.resume is None:
+    run_dir = plan.run_dir
+    if plan.resume:
+        info = resume.check_resumable(run_dir, cfg)
+        if plan.rerun:
             print(f"ddpkit train: --run-dir {run_dir} holds this run, stopped at step "
                   f"{info.step}: continuing it", file=sys.stderr, flush=True)
     if run_dir is None and opts.max_restarts > 0:
@@ -203,9 +151,9 @@ def _launch(args: argparse.Namespace, cfg: Config, opts, run_dir: Path | None,
             "start over; pass the same --run-dir (on a shared filesystem) on every node")
     argv = ["--resolved-config", json.dumps(cfg.to_dict())]
     if run_dir is not None:
-        argv += ["--resume" if resume_dir is not None else "--run-dir", str(run_dir)]
+        argv += ["--resume" if plan.resume else "--run-dir", str(run_dir)]
     opts.module = True
-    opts.plain_terminal = True  # a person reads this terminal (ddpkit.launch)
+    opts.plain_terminal = True  # a person reads this terminal (ddpkit.launcher.launch)
     quiet_omp_warning(opts)
     started = time.time()
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -224,7 +172,7 @@ def _launch(args: argparse.Namespace, cfg: Config, opts, run_dir: Path | None,
     # newest checkpoint tells whether the run was stopped.
     stopped = resume.preempted_since(run_dir, started) if run_dir is not None else None
     if stopped is not None:
-        again = " (or the same command again)" if args.run_dir is not None else ""
+        again = " (or the same command again)" if plan.recheck else ""
         print(f"ddpkit train: stopped by a signal at step {stopped.step}; checkpoint "
               f"{stopped.path}; continue with: ddpkit train --resume {run_dir}{again}",
               file=sys.stderr, flush=True)

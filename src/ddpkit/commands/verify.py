@@ -12,7 +12,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from ddpkit.commands.launch import add_launch_options, options_from_args
+from ddpkit.commands.launch import options_from_args
+from ddpkit.launcher.torchrun_args import add_launch_options
 from ddpkit.train.options import (
     NOT_FOR_VERIFY,
     add_train_options,
@@ -34,23 +35,24 @@ epsilon. Exit status 0 on PASS, 1 on FAIL.
 def register(sub) -> None:
     p = sub.add_parser("verify", help="check W processes train exactly like 1 process",
                        description=DESCRIPTION)
-    add_train_options(p, exclude=NOT_FOR_VERIFY)
+    add_train_options(p, exclude=tuple(NOT_FOR_VERIFY))
+    p.not_taken = NOT_FOR_VERIFY  # a one-line answer instead of "unrecognized arguments"
     add_verify_options(p)
-    add_launch_options(p, restarts=False)
+    add_launch_options(p, leave_out=("--max-restarts",))  # a verification is not resumed
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ddpkit.errors import ConfigError
-    from ddpkit.launch import launch
+    from ddpkit.launcher.launch import launch
+    from ddpkit.runtime.world import World
     from ddpkit.train.equivalence import VerifyResult, check_plain_steps, run_from_args
     from ddpkit.train.prelaunch import check_data, check_world_size, quiet_omp_warning
-    from ddpkit.world import World
 
     # Only who started this process matters here, not its devices (which need torch).
     if World.from_env(require_master_addr=False, accelerator="cpu",
                       device_count=0).source != "single":
-        from ddpkit.process_exit import exit_process
+        from ddpkit.runtime.process_exit import exit_process
 
         # One worker of a job some launcher started; it ends as every worker does.
         exit_process(run_from_args(args))
@@ -62,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     check_data(cfg)
     check_plain_steps(cfg)
     opts.module = True
-    opts.plain_terminal = True  # a person reads this terminal (ddpkit.launch)
+    opts.plain_terminal = True  # a person reads this terminal (ddpkit.launcher.launch)
     quiet_omp_warning(opts)
     with tempfile.TemporaryDirectory(prefix="ddpkit-verify-") as tmp:
         result_file = Path(tmp, "result.json")

@@ -3,7 +3,7 @@
 * ``digits`` - the 1,797 8x8 handwritten digits that ship inside scikit-learn. We read the
   packaged CSV directly (the same bytes ``sklearn.datasets.load_digits`` reads) because
   importing scikit-learn would cost every worker's start many times the read itself
-  (benchmarks/RESULTS.md, start-up); ``load_digits`` is the fallback.
+  (benchmarks/RESULTS-history.md, start-up); ``load_digits`` is the fallback.
 * ``mnist`` - MNIST from the four IDX files (raw or ``.gz``) in ``--data-dir``, normalized
   as in the tutorial: ``(x / 255 - 0.1307) / 0.3081``.
 * ``synthetic`` - a seeded teacher-labelled Gaussian problem, any size, for benchmarks.
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ddpkit.errors import ConfigError
+from ddpkit.vocabulary import DATASETS
 
 MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/ (or http://yann.lecun.com/exdb/mnist/)"
 MNIST_FILES = {
@@ -70,10 +71,8 @@ class ArrayDataset(torch.utils.data.Dataset):
 def load_dataset(
     name: str, data_dir: str | os.PathLike | None = None, *, synthetic_size: int = 8192
 ) -> tuple[ArrayDataset, ArrayDataset]:
-    """``(train, test)`` for a dataset name in :data:`DATASETS`."""
-    if name not in DATASETS:
-        raise ConfigError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
-    return DATASETS[name].load(data_dir, synthetic_size)
+    """``(train, test)`` for a dataset name in :data:`ddpkit.vocabulary.DATASETS`."""
+    return DATASETS.resolve(name).load(data_dir, synthetic_size)
 
 
 # --------------------------------------------------------------------------- digits
@@ -226,9 +225,7 @@ def _mnist_from_option(data_dir: str | os.PathLike | None, _size: int):
     return load_mnist(data_dir)
 
 
-# Adding a dataset: a loader returning (train, test) ArrayDatasets, and one row here.
-DATASETS: dict[str, DatasetSpec] = {
-    "digits": DatasetSpec((1, 8, 8), 10, lambda _dir, _size: load_digits()),
-    "mnist": DatasetSpec((1, 28, 28), 10, _mnist_from_option),
-    "synthetic": DatasetSpec((1, 8, 8), 10, lambda _dir, size: make_synthetic(size)),
-}
+# The specs ddpkit.vocabulary.DATASETS names (adding a dataset: a spec and its entry there).
+DIGITS = DatasetSpec((1, 8, 8), 10, lambda _dir, _size: load_digits())
+MNIST = DatasetSpec((1, 28, 28), 10, _mnist_from_option)
+SYNTHETIC = DatasetSpec((1, 8, 8), 10, lambda _dir, size: make_synthetic(size))

@@ -4,15 +4,15 @@ Checkpointing lives in :mod:`ddpkit.checkpoint`; restarts after a dead worker co
 from torchrun's elastic agent (``ddpkit launch --max-restarts``).
 """
 
+from ddpkit.exit_codes import EXIT_HANG, EXIT_PREEMPTED
 from ddpkit.fault.hang import (
-    EXIT_HANG,
     HangError,
     ProgressBoard,
     RankProgress,
     Watchdog,
     set_collective_timeout,
 )
-from ddpkit.fault.preemption import DEFAULT_SIGNALS, EXIT_PREEMPTED, PreemptionGuard
+from ddpkit.fault.preemption import DEFAULT_SIGNALS, PreemptionGuard
 
 __all__ = [
     "DEFAULT_SIGNALS",

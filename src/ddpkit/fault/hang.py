@@ -5,7 +5,7 @@ loader, a rank that skipped a collective behind an ``if``), the others block, an
 backend's timeout, if it fires at all, says only that a ``recv`` timed out. To say
 *who* is missing, each rank publishes its position — a sequence number, the step and
 the name of the point it reached — to the job's c10d store. One ``store.set`` on a
-TCPStore is cheap enough to do at every step (benchmarks/RESULTS.md, fault tolerance,
+TCPStore is cheap enough to do at every step (benchmarks/RESULTS-history.md, fault tolerance,
 has its cost). When a wait times
 out, the waiting rank reads everyone's position and reports the ranks that are behind.
 
@@ -39,12 +39,12 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ddpkit.errors import ConfigError, DdpkitError
+from ddpkit.exit_codes import EXIT_HANG
 from ddpkit.log import get_logger
 
 log = get_logger(__name__)
 
 # Exit status of a process the backstop thread ends: the conventional "timed out".
-EXIT_HANG = 124
 _TIMEOUT_WORDS = ("timed out", "timeout", "connection", "closed", "reset by peer", "broken pipe")
 _PEER_LOST_WORDS = ("closed by peer", "reset by peer", "broken pipe", "connection closed")
 # While a guard is armed the backstop thread wakes every TICK_S and stamps a heartbeat.

@@ -30,7 +30,6 @@ from ddpkit.log import get_logger
 
 log = get_logger(__name__)
 
-EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 

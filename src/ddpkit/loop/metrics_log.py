@@ -14,7 +14,7 @@ with ``purge_step``.
 
 This module is the one writer and the one reader of ``metrics.jsonl``: ``ddpkit.Run``
 writes its per-step records and ``ddpkit train``'s epoch records through
-:class:`MetricLog`; every file goes through :mod:`ddpkit.durable` (appends that never
+:class:`MetricLog`; every file goes through :mod:`ddpkit.files.durable` (appends that never
 leave half a line, rewrites that are atomic and fsync'd).
 """
 
@@ -30,9 +30,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ddpkit.durable import append_line, write_atomic
 from ddpkit.errors import ConfigError
-from ddpkit.jsonfiles import json_safe
+from ddpkit.files.durable import append_line, write_atomic
+from ddpkit.files.jsonfiles import json_safe
 
 
 def peak_rss_mib() -> float:

@@ -56,7 +56,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddpkit import lifetime
 from ddpkit.checkpoint import Cadence, Checkpointer
 from ddpkit.checkpoint.init_from import init_fresh_run
 from ddpkit.data.partition import ShardBatch, ShardSampler
@@ -70,7 +69,8 @@ from ddpkit.loop.rank0 import cannot_create, decide_on_rank0
 from ddpkit.loop.run_checkpoints import RunCheckpoints
 from ddpkit.loop.sample_ids import SampleLog
 from ddpkit.parallel.exact.exact_reducer import ExactReducer
-from ddpkit.runtime import DEFAULT_TIMEOUT
+from ddpkit.runtime import lifetime
+from ddpkit.runtime.process_group import DEFAULT_TIMEOUT
 
 log = get_logger(__name__)
 

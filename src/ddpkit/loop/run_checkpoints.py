@@ -22,7 +22,7 @@ from ddpkit.fault import set_collective_timeout
 from ddpkit.log import get_logger
 from ddpkit.loop.metrics_log import truncate_records
 from ddpkit.loop.sample_ids import truncate_sample_logs
-from ddpkit.runtime import DEFAULT_TIMEOUT
+from ddpkit.runtime.process_group import DEFAULT_TIMEOUT
 
 log = get_logger("ddpkit.loop.run")
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ddpkit.durable import DiskFullError, append_line, write_atomic
+from ddpkit.files.durable import DiskFullError, append_line, write_atomic
 
 SAMPLE_DIR = "sample_ids"
 
@@ -33,7 +33,7 @@ SAMPLE_DIR = "sample_ids"
 class SampleLog:
     """One rank's append-only log; a line reaches the OS as soon as it is written, so a
     process killed later cannot take it along, and a full disk leaves no half line
-    (:func:`ddpkit.durable.append_line`)."""
+    (:func:`ddpkit.files.durable.append_line`)."""
 
     def __init__(self, run_dir: str | os.PathLike, rank: int):
         self.path = Path(run_dir) / SAMPLE_DIR / f"rank{rank}.jsonl"
@@ -50,7 +50,7 @@ class SampleLog:
     def write_agreed(self, step: int, epoch: int, ids: Iterable[int], world_size: int,
                      device: Any) -> None:
         """Collective: :meth:`write` on every rank; a full disk on any rank raises its
-        :class:`~ddpkit.durable.DiskFullError` on every rank, so that all end alike on
+        :class:`~ddpkit.files.durable.DiskFullError` on every rank, so that all end alike on
         one line, instead of the others failing on a peer that left. A one-integer
         all-reduce per step (only when the ids are logged); the error itself crosses
         only when there is one."""

@@ -14,13 +14,11 @@ from torch import nn
 from ddpkit.comm.shm import ShmState, shm_hook
 from ddpkit.errors import ConfigError
 from ddpkit.parallel.ddp import DataParallel
-from ddpkit.parallel.engine.transport import COMM_CHOICES
 from ddpkit.parallel.grad_bucket import GradBucket
 from ddpkit.parallel.hooks import ring_hook
 from ddpkit.parallel.join import join
-from ddpkit.parallel.zero.sharding import SHARD_CHOICES
+from ddpkit.vocabulary import COMM_CHOICES, ENGINES, SHARD_CHOICES
 
-ENGINES = ("ddpkit", "torch")
 _OPTIONS = ("bucket_cap_mb", "broadcast_buffers", "find_unused_parameters", "comm_hook",
             "comm_state", "group", "first_bucket_cap_mb", "initial_bucketing", "comm", "shard",
             "exact", "slices")

@@ -33,8 +33,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable
 
-from ddpkit import host_malloc, lifetime
 from ddpkit.errors import ConfigError, ConfigTypeError, UsageError
+from ddpkit.launcher import worker_heap
 from ddpkit.parallel.compat import torch_compat
 from ddpkit.parallel.compat.ddp_logging import LoggingData
 from ddpkit.parallel.compat.ddp_pickle import loaded_options, pickled_state
@@ -49,6 +49,7 @@ from ddpkit.parallel.exact import exact_reducer
 from ddpkit.parallel.exact.exact_reducer import ExactReducer
 from ddpkit.parallel.zero.sharding import Sharding
 from ddpkit.parallel.zero.sharding_methods import ShardingMethods
+from ddpkit.runtime import lifetime
 
 
 class DataParallel(ShardingMethods, JoinMethods, TorchMethods, nn.Module, Joinable):
@@ -209,7 +210,7 @@ class DataParallel(ShardingMethods, JoinMethods, TorchMethods, nn.Module, Joinab
         """The process group and what follows from it and the module (no communication)."""
         self.group = group
         # torch's gloo threads must be joined before the interpreter finalizes: destroy
-        # the default group at exit if the program does not (ddpkit.lifetime).
+        # the default group at exit if the program does not (ddpkit.runtime.lifetime).
         lifetime.destroy_default_group_at_exit()
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -226,8 +227,8 @@ class DataParallel(ShardingMethods, JoinMethods, TorchMethods, nn.Module, Joinab
         self.device_type = self.device.type if self.device is not None else "cpu"
         if "cpu" in {d.type for d in devices}:
             # autograd allocates CPU gradients anew each backward: keep freed large blocks
-            # in the heap so that they do not fault in again every step (host_malloc)
-            host_malloc.keep_large_blocks_here()
+            # in the heap so that they do not fault in again every step (worker_heap)
+            worker_heap.keep_large_blocks_here()
 
     def _check_module(self) -> None:
         """What torch refuses about the module itself, and what the chosen mode needs of
@@ -286,7 +287,7 @@ class DataParallel(ShardingMethods, JoinMethods, TorchMethods, nn.Module, Joinab
     def process_group(self) -> dist.ProcessGroup:
         """torch DDP's attribute: the group replicated over (the default group when none
         was given). Looked up, not held: a model alive at exit must not keep the default
-        group, and its gloo threads, alive past its destruction (ddpkit.lifetime)."""
+        group, and its gloo threads, alive past its destruction (ddpkit.runtime.lifetime)."""
         return self.group if self.group is not None else _default_group()
 
     @property

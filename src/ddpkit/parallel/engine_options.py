@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from ddpkit.errors import ConfigError, ConfigTypeError
 from ddpkit.parallel.engine.buckets import size_limits
 from ddpkit.parallel.engine.interfaces import CommHook
-from ddpkit.parallel.engine.transport import COMM_CHOICES
 from ddpkit.parallel.zero.sharding import check_mode
+from ddpkit.vocabulary import COMM_CHOICES
 
 INITIAL_BUCKETINGS = ("reverse", "single")
 

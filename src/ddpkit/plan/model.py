@@ -186,7 +186,7 @@ def device(name: str) -> Device:
 
 # torch DDP's own cost per step, measured on one gloo rank where nothing is communicated
 # (benchmarks/ddp_overhead.py, torch 2.13, 1 thread; figures and date in
-# benchmarks/RESULTS.md, "Cost model"): host time per gradient tensor (its autograd hook
+# benchmarks/RESULTS-history.md, "Cost model"): host time per gradient tensor (its autograd hook
 # and the dispatch of its copies), and the passes over the gradients' memory its copies
 # and the 1/W scaling make (a read or a write of every gradient byte counts one).
 DDP_PER_TENSOR_S = 18e-6

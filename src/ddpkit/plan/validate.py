@@ -143,7 +143,7 @@ def measure_rank(world, spec: MlpSpec) -> dict | None:
 
 
 def measure(spec: MlpSpec) -> Measured:
-    from ddpkit.spawn import spawn
+    from ddpkit.runtime.spawn import spawn
 
     return Measured(**spawn(measure_rank, spec.nproc, args=(spec,))[0])
 

@@ -27,10 +27,11 @@ from ddpkit.data.datasets import ArrayDataset, load_dataset
 from ddpkit.data.partition import ShardSampler
 from ddpkit.errors import ConfigError
 from ddpkit.parallel import data_parallel
+from ddpkit.runtime.world import World
 from ddpkit.train import recipe
 from ddpkit.train.config import Config
 from ddpkit.train.models import builtin_model
-from ddpkit.world import World
+from ddpkit.vocabulary import OPTIMIZERS
 
 # A user's own wrapper in place of the engine: ``wrap(module, engine_name, device)``.
 Wrap = Callable[[nn.Module, str, torch.device], nn.Module]
@@ -156,14 +157,8 @@ def load_data(data_cfg) -> tuple[ArrayDataset, ArrayDataset]:
 
 
 def build_optimizer(params, optim_cfg) -> torch.optim.Optimizer:
-    """``sgd`` (momentum, weight decay) or ``adamw`` (decoupled weight decay)."""
-    o = optim_cfg
-    if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum,
-                               weight_decay=o.weight_decay)
-    if o.name == "adamw":
-        return torch.optim.AdamW(params, lr=o.lr, weight_decay=o.weight_decay)
-    raise ConfigError(f"--optimizer {o.name!r} is not one of {', '.join(recipe.OPTIMIZERS)}")
+    """The optimizer :data:`ddpkit.vocabulary.OPTIMIZERS` names ``optim_cfg.name``."""
+    return OPTIMIZERS.resolve(optim_cfg.name, "--optimizer")(params, optim_cfg)
 
 
 def _to_device(ds: ArrayDataset, device: torch.device) -> ArrayDataset:

@@ -39,8 +39,17 @@ from typing import Any
 from ddpkit.errors import ConfigError
 from ddpkit.slice_count import EXACT_THREADS, check_slices, default_slices
 from ddpkit.train.config_values import coerce, read_toml, with_current_keys
-from ddpkit.train.names import COMM_CHOICES, DATASETS, ENGINES, MODELS, SHARD_CHOICES
-from ddpkit.train.recipe import OPTIMIZERS, PRECISIONS, SCHEDULES, check_factory_spec
+from ddpkit.train.recipe import check_factory_spec
+from ddpkit.vocabulary import (
+    COMM_CHOICES,
+    DATASETS,
+    ENGINES,
+    MODELS,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULES,
+    SHARD_CHOICES,
+)
 
 # Command-line groups a flag can belong to (`ddpkit verify` takes only TRAINING).
 TRAINING = "training (command line > --config file > defaults)"

@@ -23,8 +23,6 @@ import torch
 
 from ddpkit.errors import DdpkitError
 
-EXIT_DIVERGED = 65  # sysexits.h EX_DATAERR: the numbers went bad, not the machine
-
 
 class DivergedError(DdpkitError):
     """The training loss or the weights are no longer finite."""

@@ -4,12 +4,13 @@ running the command on every rank): one exit code per outcome, and a user error 
 once per node rather than once per rank.
 
 Exit codes: 0 done (or stopped by a signal under an agent), 2 a user error,
-:data:`~ddpkit.durable.EXIT_DISK_FULL` (74) a full disk,
+:data:`~ddpkit.files.durable.EXIT_DISK_FULL` (74) a full disk,
 :data:`~ddpkit.train.divergence.EXIT_DIVERGED` (65) a loss that stopped being finite,
 :data:`~ddpkit.fault.EXIT_HANG` (124) a collective that timed out. A full disk, a
 diverged loss, a configuration or checkpoint error are final: a restart would repeat
-them, so ddpkit's launcher is told not to restart (:func:`ddpkit.launcher_link.report_final`);
-the rest (a peer that died, a hang, a bug) are what ``--max-restarts`` is for."""
+them, so ddpkit's launcher is told not to restart
+(:func:`ddpkit.runtime.launcher_link.report_final`); the rest (a peer that died, a
+hang, a bug) are what ``--max-restarts`` is for."""
 
 from __future__ import annotations
 
@@ -19,13 +20,14 @@ from collections.abc import Callable
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from ddpkit import host_change
 from ddpkit.checkpoint import CheckpointError
-from ddpkit.durable import EXIT_DISK_FULL, DiskFullError
+from ddpkit.elastic import host_change
 from ddpkit.errors import ConfigError, DdpkitError
-from ddpkit.fault import EXIT_HANG, HangError
-from ddpkit.launcher_link import report_final
-from ddpkit.train.divergence import EXIT_DIVERGED, DivergedError
+from ddpkit.exit_codes import EXIT_DISK_FULL, EXIT_DIVERGED, EXIT_HANG
+from ddpkit.fault import HangError
+from ddpkit.files.durable import DiskFullError
+from ddpkit.runtime.launcher_link import report_final
+from ddpkit.train.divergence import DivergedError
 
 # What a restart would only repeat. Not a CommError: a collective that lost a peer that
 # died (the shared-memory engine says so) is what a restart is for.

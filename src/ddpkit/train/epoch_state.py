@@ -45,6 +45,12 @@ class EpochSums:
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
+        self.resumed: MetricSums | None = None  # loaded, until the epoch takes them
+
+    def take_resumed(self) -> MetricSums | None:
+        """The sums a resume loaded, once: the epoch in progress continues from them."""
+        sums, self.resumed = self.resumed, None
+        return sums
 
     def state_dict(self) -> list[list[float]]:
         t = self.trainer  # a collective: the run saves on every rank
@@ -58,7 +64,7 @@ class EpochSums:
             mine = sums[t.world.rank]
         else:  # other world size: the epoch's job-wide totals stay exact on rank 0
             mine = [sum(col) for col in zip(*sums)] if t.world.is_main and sums else [0.0] * 3
-        t._resumed_sums = MetricSums.from_values(list(mine), t.device)
+        self.resumed = MetricSums.from_values(list(mine), t.device)
 
 
 def gather_lists(values: list[float], device: torch.device) -> list[list[float]]:

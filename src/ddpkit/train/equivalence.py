@@ -34,11 +34,11 @@ import torch.nn.functional as F
 
 from ddpkit.data.datasets import ArrayDataset
 from ddpkit.errors import ConfigError
-from ddpkit.launcher_link import die_with_launcher
-from ddpkit.parallel.exact.exact_sum32 import choose_format, make_mean
-from ddpkit.parallel.exact.slices import slice_rng
-from ddpkit.process_exit import exit_process
-from ddpkit.runtime import distributed
+from ddpkit.parallel.exact.reference import SliceReference
+from ddpkit.runtime.launcher_link import die_with_launcher
+from ddpkit.runtime.process_exit import exit_process
+from ddpkit.runtime.process_group import distributed
+from ddpkit.runtime.world import World
 from ddpkit.train.build import Parts, Wrap, build_parts, load_data
 from ddpkit.train.config import Config
 from ddpkit.train.entry import run_entry
@@ -49,8 +49,7 @@ from ddpkit.train.options import (
     add_verify_options,
     config_from_args,
 )
-from ddpkit.train.trainer import Trainer, unwrap
-from ddpkit.world import World
+from ddpkit.train.trainer import Trainer, slice_step, unwrap
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # Rounding budget per step, in units of the dtype's epsilon x the largest weight. Summing
@@ -144,31 +143,20 @@ def reference_parameters(cfg: Config, datasets: tuple[ArrayDataset, ArrayDataset
 
 def exact_reference_parameters(cfg: Config, datasets: tuple[ArrayDataset, ArrayDataset],
                                steps: int, seed: int, threads: int) -> list[torch.Tensor]:
-    """Exact mode on one process in plain PyTorch: each step's V slices in order, each
-    in its random stream ``(seed, step, slice)``, the loss of the trainer's exact step,
-    then the exact mean of the V gradients (no engine, no collectives)."""
+    """Exact mode on one process: the trainer's exact step over the one-process slices
+    of :class:`~ddpkit.parallel.exact.reference.SliceReference` (no engine, no
+    collectives)."""
     parts = reference_parts(cfg, datasets, threads)
-    v, model, opt, train_set = parts.slices, parts.module, parts.optimizer, parts.train_set
+    model, opt, train_set = parts.module, parts.optimizer, parts.train_set
     model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    numel = sum(p.numel() for p in params)
-    rows = torch.empty(v, numel)
-    mean, result = make_mean(choose_format(v, numel=numel), v, numel, v), torch.empty(numel)
+    reference = SliceReference(list(model.parameters()), parts.slices, seed)
     for step in range(steps):
         batch = next(parts.sampler.batches())
         x, y = train_set.batch(batch.indices)
+        real = torch.arange(len(batch.indices)) < batch.num_real
         opt.zero_grad(set_to_none=True)
-        for k in range(v):
-            xs, ys = x[k::v].contiguous(), y[k::v].contiguous()
-            real = len(range(k, batch.num_real, v))  # a slice's real samples come first
-            with slice_rng(seed, step, k):
-                losses = F.nll_loss(model(xs), ys, reduction="none")[:real]
-                (losses.sum() * (v / batch.global_num_real)).backward()
-            torch.cat([p.grad.reshape(-1) for p in params], out=rows[k])
-            opt.zero_grad(set_to_none=True)
-        mean.mean(rows, result)
-        for p, g in zip(params, result.split([p.numel() for p in params]), strict=True):
-            p.grad = g.view_as(p)
+        slice_step(model, reference.slices(step, x, y, real),
+                   parts.slices / batch.global_num_real, parts.precision)
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 

@@ -1,4 +1,4 @@
-"""A training job's side of an elastic launch (``ddpkit.host_change``): the change line
+"""A training job's side of an elastic launch (``ddpkit.elastic.host_change``): the change line
 once the workers have resumed, the step note while they train.
 
 ``DDPKIT_TEST_SLEEP_IN_ROUND=ROUND:STEP:SECONDS`` (tests only, inert unless set): the
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
-from ddpkit.host_change import (
+from ddpkit.elastic.host_change import (
     CHANGE_ENV,
     FINISHED,
     STEP_NOTE_ENV,

@@ -17,8 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ddpkit.errors import ConfigError
-
-MODELS = ("mlp", "net", "toy")
+from ddpkit.vocabulary import MODELS
 
 
 class Net(nn.Module):
@@ -71,22 +70,28 @@ class ToyModel(nn.Module):
         return F.log_softmax(self.net2(self.relu(self.net1(self.flatten(x)))), dim=1)
 
 
+def build_net(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int]) -> Net:
+    if tuple(input_shape) != (1, 28, 28):
+        raise ConfigError(
+            f"model 'net' is the tutorial's MNIST network and needs 1x28x28 images, "
+            f"the data has {'x'.join(map(str, input_shape))}; use --data mnist or --model mlp"
+        )
+    return Net(num_classes)
+
+
+def build_mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int]) -> MLP:
+    if not hidden or any(h < 1 for h in hidden):
+        raise ConfigError(f"MLP hidden sizes must be positive integers, got {list(hidden)}")
+    return MLP(math.prod(input_shape), num_classes, hidden)
+
+
+def build_toy(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int]) -> ToyModel:
+    return ToyModel(math.prod(input_shape), num_classes)
+
+
 def builtin_model(
     name: str, input_shape: Sequence[int], num_classes: int, *, hidden: Sequence[int] = (128,)
 ) -> nn.Module:
-    """A fresh model for data of ``input_shape`` (one sample, no batch dimension)."""
-    if name == "net":
-        if tuple(input_shape) != (1, 28, 28):
-            raise ConfigError(
-                f"model 'net' is the tutorial's MNIST network and needs 1x28x28 images, "
-                f"the data has {'x'.join(map(str, input_shape))}; use --data mnist or --model mlp"
-            )
-        return Net(num_classes)
-    in_features = math.prod(input_shape)
-    if name == "mlp":
-        if not hidden or any(h < 1 for h in hidden):
-            raise ConfigError(f"MLP hidden sizes must be positive integers, got {list(hidden)}")
-        return MLP(in_features, num_classes, hidden)
-    if name == "toy":
-        return ToyModel(in_features, num_classes)
-    raise ConfigError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    """A fresh model of :data:`ddpkit.vocabulary.MODELS` for data of ``input_shape`` (one
+    sample, no batch dimension)."""
+    return MODELS.resolve(name)(input_shape, num_classes, hidden)

@@ -56,9 +56,18 @@ def _add_flags(p: argparse.ArgumentParser, title: str,
     return g
 
 
-# What `ddpkit verify` does not use: it takes --steps steps, writes no run directory and
-# draws no progress.
-NOT_FOR_VERIFY = ("--epochs", "--out-dir", "--no-progress")
+# What `ddpkit verify` does not take, and why: it takes --steps steps, writes no run
+# directory, draws no progress, and its one-process reference takes plain optimizer
+# steps (train/equivalence.py's check_plain_steps, which a --config file still meets).
+NOT_FOR_VERIFY = {
+    "--epochs": "verify takes --steps steps",
+    "--out-dir": "verify writes no run directory",
+    "--no-progress": "verify draws no progress bar",
+    **dict.fromkeys(("--lr-schedule", "--warmup-steps", "--clip-grad-norm", "--grad-accum",
+                     "--precision"),
+                    "verify compares plain fp32 optimizer steps at a constant learning rate "
+                    "with one process; leave it out"),
+}
 
 
 def add_train_options(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 
 from ddpkit.errors import ConfigError
+from ddpkit.launcher.torchrun_args import cpu_only_torch, default_nproc
 from ddpkit.slice_count import check_slices
-from ddpkit.torchrun_args import cpu_only_torch, default_nproc
 from ddpkit.train import recipe
 from ddpkit.train.config import Config
 
@@ -66,10 +66,10 @@ def check_data(cfg: Config) -> None:
     if recipe.is_factory(cfg.data.name) or recipe.is_factory(cfg.model.name):
         return  # shapes are known only once the workers build them
     if cfg.model.name == "net":  # the one built-in model that fits one input shape only
-        from ddpkit.data.datasets import DATASETS
         from ddpkit.train.build import build_model
+        from ddpkit.vocabulary import DATASETS
 
-        spec = DATASETS[cfg.data.name]
+        spec = DATASETS.resolve(cfg.data.name, "--data")
         build_model(cfg.model, spec.input_shape, spec.num_classes)  # the run's own builder
     if cfg.data.name == "mnist":  # the only one read from the user's files
         from ddpkit.data.datasets import load_dataset

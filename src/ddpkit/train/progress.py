@@ -10,7 +10,7 @@ Under ``ddpkit train``/``ddpkit launch`` rank 0's output reaches the terminal th
 the launcher's pipes, so a bar drawn here would never be live. The launcher names a
 file in ``DDPKIT_PROGRESS_FILE`` instead: :class:`FileBar` appends one small JSON record
 to it a few times a second (step, total steps, epoch, samples/s, the epoch's running
-loss) and the launcher draws it (``ddpkit.console``): a live status line on a terminal,
+loss) and the launcher draws it (``ddpkit.launcher.console``): a live status line on a terminal,
 a plain line every few steps otherwise. Each record carries the time left, estimated
 from the whole run so far (evaluations included), so the launcher's first line already
 has a real ETA.
@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddpkit.console import PROGRESS_ENV
-from ddpkit.durable import append_line
+from ddpkit.files.durable import append_line
+from ddpkit.launcher.console import PROGRESS_ENV
 from ddpkit.loop.metrics_log import peak_rss_mib
 
 WRITE_EVERY_S = 0.25  # records per second to the launcher, at most about 4
@@ -76,8 +76,8 @@ class FileBar:
         self.trainer, self.epoch = trainer, epoch
         self.start = self.last = time.perf_counter()
         # The run's clock starts with its first bar: (time, step) the ETA is measured from.
-        if getattr(trainer, "_progress_clock", None) is None:
-            trainer._progress_clock = (self.start, trainer.run.step)
+        if trainer.progress_clock is None:
+            trainer.progress_clock = (self.start, trainer.run.step)
         self.seen = 0
         try:
             self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
@@ -105,7 +105,7 @@ class FileBar:
         loss = sums.local().loss if sums is not None else float("nan")
         elapsed = now - self.start
         total = getattr(t, "total_steps", None)
-        t0, s0 = t._progress_clock
+        t0, s0 = t.progress_clock
         eta = (total - t.run.step) * (now - t0) / (t.run.step - s0) if (
             total and t.run.step > s0) else None
         record = {"step": t.run.step, "total_steps": total,

@@ -30,13 +30,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ddpkit.errors import ConfigError
+from ddpkit.vocabulary import PRECISIONS, SCHEDULES
 
 if TYPE_CHECKING:
     import torch
-
-OPTIMIZERS = ("sgd", "adamw")
-SCHEDULES = ("constant", "cosine")
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 
@@ -116,13 +113,17 @@ def lr_at(step: int, base_lr: float, schedule: str, warmup_steps: int,
     """
     if step < warmup_steps:
         return base_lr * (step + 1) / warmup_steps
-    if schedule == "constant":
-        return base_lr
-    if schedule == "cosine":
-        span = max(1, total_steps - warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / span)
-        return base_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ConfigError(f"--lr-schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    return SCHEDULES.resolve(schedule, "--lr-schedule")(base_lr, step, warmup_steps, total_steps)
+
+
+def constant_lr(base_lr: float, step: int, warmup_steps: int, total_steps: int) -> float:
+    return base_lr
+
+
+def cosine_lr(base_lr: float, step: int, warmup_steps: int, total_steps: int) -> float:
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return base_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -179,13 +180,12 @@ class Precision:
     def __init__(self, name: str, device: torch.device):
         import torch
 
-        if name not in PRECISIONS:
-            raise ConfigError(f"--precision {name!r} is not one of {', '.join(PRECISIONS)}")
+        dtype = PRECISIONS.resolve(name, "--precision")
         if name == "fp16" and device.type != "cuda":
             raise ConfigError(f"--precision fp16 needs CUDA (its GradScaler); this rank runs "
                               f"on {device.type}: use --precision bf16")
         self.name, self.device = name, device
-        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+        self.dtype = None if dtype == torch.float32 else dtype  # None: no autocast
         self.scaler = torch.amp.GradScaler("cuda") if name == "fp16" else None
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -231,7 +231,7 @@ class Precision:
             self.scaler.load_state_dict(state["scaler"])
 
 
-__all__ = ["OPTIMIZERS", "PRECISIONS", "SCHEDULES", "Precision", "accumulation_groups",
+__all__ = ["Precision", "accumulation_groups",
            "call_with", "check_factory_spec", "find_factory_module",
            "is_factory", "load_factory", "lr_at", "no_sync", "set_lr",
            "short_name", "steps_per_epoch"]

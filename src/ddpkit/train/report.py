@@ -4,8 +4,8 @@
 Only rank 0 calls these. A run directory is never reused: its name is a timestamp plus a
 counter, created with ``exist_ok=False`` so two runs started in the same second (or on a
 shared file system) each get their own. Every file is written through
-:mod:`ddpkit.durable`: complete or absent, never half of one, and a full disk is a
-:class:`~ddpkit.durable.DiskFullError` naming the file and the bytes it needs.
+:mod:`ddpkit.files.durable`: complete or absent, never half of one, and a full disk is a
+:class:`~ddpkit.files.durable.DiskFullError` naming the file and the bytes it needs.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddpkit.durable import CountingSink, atomic_file, write_atomic
 from ddpkit.errors import ConfigError
-from ddpkit.jsonfiles import json_safe
+from ddpkit.files.durable import CountingSink, atomic_file, write_atomic
+from ddpkit.files.jsonfiles import json_safe
 
 SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "config.json"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddpkit.errors import ConfigError
-from ddpkit.run_lock import LOCK_FILE
+from ddpkit.files.run_lock import LOCK_FILE
 from ddpkit.train import report
 from ddpkit.train.config import Config
 from ddpkit.train.config_values import with_current_keys

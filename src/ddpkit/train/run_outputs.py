@@ -8,7 +8,6 @@ Functions of the :class:`~ddpkit.train.trainer.Trainer` whose files they write.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,36 +16,29 @@ import torch.distributed as dist
 
 from ddpkit.checkpoint import CheckpointError
 from ddpkit.checkpoint.model_state import unwrap
-from ddpkit.durable import DiskFullError, free_bytes, is_disk_full
+from ddpkit.files.durable import DiskFullError, free_bytes, is_disk_full
 from ddpkit.loop.rank0 import cannot_create, decide_on_rank0
 from ddpkit.parallel.zero.sharded_state import state_bytes
-from ddpkit.run_lock import RunLock, held_for_us
-from ddpkit.train import recipe, report
+from ddpkit.train import report
+from ddpkit.train.run_plan import RunPlan
 
 # The trainer these act for (a ddpkit.train.trainer.Trainer, which imports this module).
 Trainer = Any
 
 
-def agree_on_run(trainer: Trainer, run_dir: str | os.PathLike | None) -> str | None:
+def agree_on_run(trainer: Trainer, plan: RunPlan) -> str | None:
     """Rank 0 creates the run directory (unless ``write=False``) and holds it; every
     rank learns its name, or every rank raises rank 0's error (none is left waiting)."""
     def create() -> str | None:
         if not trainer.write:
             return None
         try:
-            if run_dir is not None:
-                Path(run_dir).mkdir(parents=True, exist_ok=True)
-                chosen = str(run_dir)
-            else:
-                tag = (f"{recipe.short_name(trainer.cfg.data.name)}-"
-                       f"{recipe.short_name(trainer.cfg.model.name)}-w{trainer.world.world_size}")
-                chosen = str(report.new_run_dir(trainer.cfg.train.out_dir, tag))
-            if not held_for_us(chosen):  # no ddpkit launcher holds it for us
-                trainer._lock = RunLock.acquire(chosen)
+            made = plan.made(trainer.cfg, trainer.world.world_size)
+            trainer.run_lock = made.lock()  # None where the launcher holds it for us
         except OSError as err:
-            where = run_dir if run_dir is not None else trainer.cfg.train.out_dir
+            where = plan.run_dir if plan.run_dir is not None else trainer.cfg.train.out_dir
             raise cannot_create(where, err) from None
-        return chosen
+        return str(made.run_dir)
 
     return decide_on_rank0(create, is_main=trainer.world.is_main,
                            world_size=trainer.world.world_size)

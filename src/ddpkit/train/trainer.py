@@ -32,7 +32,7 @@ the same point:
   turns into a :class:`HangError` naming it, the step and the collective;
 * a loss or weights that stop being finite end the run before anything is saved from
   them (:mod:`ddpkit.train.divergence`), and a full disk ends it with one
-  :class:`~ddpkit.durable.DiskFullError`; the final weights are on disk before the
+  :class:`~ddpkit.files.durable.DiskFullError`; the final weights are on disk before the
   summary says the run is done.
 """
 
@@ -51,21 +51,42 @@ from ddpkit.checkpoint import Checkpointer, CheckpointError
 from ddpkit.checkpoint.model_state import unwrap
 from ddpkit.data.datasets import ArrayDataset
 from ddpkit.data.partition import ShardBatch
-from ddpkit.durable import DiskFullError, is_disk_full
 from ddpkit.errors import ConfigError
 from ddpkit.fault import PreemptionGuard, Watchdog
+from ddpkit.files.durable import DiskFullError, is_disk_full
+from ddpkit.files.run_lock import RunLock
 from ddpkit.log import get_logger
 from ddpkit.loop import Run
-from ddpkit.run_lock import RunLock
+from ddpkit.runtime.world import World
 from ddpkit.train import progress, recipe, report, run_outputs
 from ddpkit.train.build import Wrap, build_parts
 from ddpkit.train.config import Config
 from ddpkit.train.epoch_state import EpochHistory, EpochSums, refuse_non_finite_record
 from ddpkit.train.metrics import MetricSums, gather_floats
 from ddpkit.train.resume import refuse_changed_config
-from ddpkit.world import World
+from ddpkit.train.run_plan import RunPlan
 
 log = get_logger(__name__)
+
+def slice_step(model, slices, scale: float,
+               precision: recipe.Precision) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact mode's step (docs/exact.md) over ``slices``, ``(inputs, labels, real mask)``
+    triples from ``model.slices`` (or the one-process reference's): each slice's loss is
+    its real samples' sum times ``scale`` (``V / real samples in the global batch``); the
+    engine averages over the V slices, so the gradient is the mean over the global
+    batch, as in the default mode. Returns the real samples' losses and hits."""
+    all_losses, all_correct = [], []
+    for xs, ys, real_s in slices:
+        # A slice's real samples come first (the padding is at the batch's end).
+        n = int(real_s.sum())
+        with precision.autocast():
+            out = model(xs)
+        losses = F.nll_loss(precision.full(out), ys, reduction="none")[:n]
+        precision.backward(losses.sum() * scale)
+        all_losses.append(losses.detach())
+        all_correct.append(out[:n].argmax(dim=1) == ys[:n])
+    return torch.cat(all_losses), torch.cat(all_correct)
+
 
 class Trainer:
     """Build data, model, engine and optimizer from a :class:`Config`; ``fit()`` trains.
@@ -103,8 +124,11 @@ class Trainer:
         self.history = EpochHistory()
         self.step_callbacks: list[Callable[[Trainer], None]] = []
         self.write = write
-        self._lock: RunLock | None = None  # rank 0's hold on the run directory
-        run_dir = run_outputs.agree_on_run(self, run_dir)
+        self.epoch_sums = EpochSums(self)  # checkpointed with the run; holds resumed sums
+        self.run_lock: RunLock | None = None  # rank 0's hold on the run directory
+        # (time, step) the progress ETA is measured from: set by the first bar
+        self.progress_clock: tuple[float, int] | None = None
+        run_dir = run_outputs.agree_on_run(self, RunPlan(Path(run_dir) if run_dir else None))
         self.run_dir = Path(run_dir) if write else None
 
         t, c = cfg.train, cfg.checkpoint
@@ -114,7 +138,7 @@ class Trainer:
             self.run_dir, model=self.model, optimizer=self.optimizer, sampler=self.sampler,
             every_steps=c.every_steps, every_seconds=c.every_seconds, keep=c.keep,
             state={"loop": self.history, "precision": self.precision,
-                   "epoch_sums": EpochSums(self)},
+                   "epoch_sums": self.epoch_sums},
             config=cfg.identity(), config_check=self._refuse_changed_config,
             collective_timeout=cfg.fault.collective_timeout, resume=False,
             log_sample_ids=t.log_sample_ids, checkpoints=c.enabled, inject_faults=False,
@@ -126,7 +150,6 @@ class Trainer:
         self.preempted = False  # set when a stop signal ended fit() early
         # Running metric sums of the epoch in progress (checkpointed mid-epoch).
         self._sums: MetricSums | None = None
-        self._resumed_sums: MetricSums | None = None
 
     # The run's pieces under the names this class always had.
     @property
@@ -193,8 +216,8 @@ class Trainer:
         # counts the position and ends the batches on every rank when a signal stops it.
         batches = run.batches() if run.epoch == epoch else iter(())
         # Resumed mid-epoch: the sums continue where the checkpoint left them.
-        sums = self._resumed_sums or MetricSums(self.device)
-        self._sums, self._resumed_sums = sums, None
+        sums = self.epoch_sums.take_resumed() or MetricSums(self.device)
+        self._sums = sums
         total = len(self.train_set) if run.position == 0 else None
         bar = self._progress(epoch, total)
         start = time.perf_counter()
@@ -270,24 +293,11 @@ class Trainer:
                             clip_with=self.model.clip_grad_norm_ if self.sharded else None)
 
     def _exact_step(self, batch: ShardBatch, sums: MetricSums) -> None:
-        """Exact mode: the batch's forward/backward slice by slice (docs/exact.md).
-        Each slice's loss is its real samples' sum times ``V / real samples in the
-        global batch``; the engine averages over the V slices, so the gradient is the
-        mean over the global batch, as in the default mode."""
+        """Exact mode: the batch's forward/backward slice by slice (:func:`slice_step`)."""
         x, y = self.train_set.batch(batch.indices)
         real = torch.arange(len(batch.indices), device=self.device) < batch.num_real
-        scale = self.parts.slices / batch.global_num_real
-        all_losses, all_correct = [], []
-        for xs, ys, real_s in self.model.slices(x, y, real):
-            # A slice's real samples come first (the padding is at the batch's end).
-            n = int(real_s.sum())
-            with self.precision.autocast():
-                out = self.model(xs)
-            losses = F.nll_loss(self.precision.full(out), ys, reduction="none")[:n]
-            self.precision.backward(losses.sum() * scale)
-            all_losses.append(losses.detach())
-            all_correct.append(out[:n].argmax(dim=1) == ys[:n])
-        sums.add(torch.cat(all_losses), torch.cat(all_correct))
+        sums.add(*slice_step(self.model, self.model.slices(x, y, real),
+                             self.parts.slices / batch.global_num_real, self.precision))
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
@@ -320,8 +330,8 @@ class Trainer:
                 raise
             raise run_outputs.disk_full(self, err) from None
         finally:
-            if self._lock is not None:
-                self._lock.release()
+            if self.run_lock is not None:
+                self.run_lock.release()
 
     def _fit(self) -> dict[str, Any]:
         t = self.cfg.train

@@ -24,12 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddpkit import host_change
-from ddpkit.fault import EXIT_PREEMPTED
-from ddpkit.launcher_link import die_with_launcher
+from ddpkit.elastic import host_change
+from ddpkit.exit_codes import EXIT_PREEMPTED
 from ddpkit.loop.inject import step_hooks
-from ddpkit.process_exit import exit_process
-from ddpkit.runtime import distributed
+from ddpkit.runtime.launcher_link import die_with_launcher
+from ddpkit.runtime.process_exit import exit_process
+from ddpkit.runtime.process_group import distributed
 from ddpkit.train import host_report
 from ddpkit.train.config import Config
 from ddpkit.train.entry import run_entry
@@ -39,7 +39,7 @@ from ddpkit.train.options import (
     add_train_options,
     config_from_args,
 )
-from ddpkit.train.resume import find_run_dir
+from ddpkit.train.run_plan import RunPlan
 from ddpkit.train.trainer import Trainer
 
 
@@ -93,12 +93,9 @@ def worker_parser() -> argparse.ArgumentParser:
 def run_from_args(args: argparse.Namespace) -> int:
     """The worker, from parsed options: ``ddpkit train`` under a launcher comes here too."""
     def body() -> int:
-        resume_dir = None
-        if args.resume is not None:
-            resume_dir = find_run_dir(args.resume, args.out_dir or Config().train.out_dir)
-        cfg = config_from_args(args, resume_dir)
-        plan = WorkerPlan.from_env(os.environ, resume_dir or args.run_dir,
-                                   resume_dir is not None)
+        run = RunPlan.from_args(args, launching=False)
+        cfg = config_from_args(args, run.resume_dir)
+        plan = WorkerPlan.from_env(os.environ, run.run_dir, run.resume)
         return run_worker(cfg, plan, os.environ)
 
     return run_entry("train", body)

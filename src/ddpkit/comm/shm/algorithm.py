@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ddpkit import lifetime
 from ddpkit.comm import groups, ops
 from ddpkit.comm.backend import BackendAlgorithm
 from ddpkit.comm.shm import segment
@@ -22,11 +21,12 @@ from ddpkit.comm.shm.signature import signature_word
 from ddpkit.comm.shm.sync import memory_model_ok
 from ddpkit.errors import CommError
 from ddpkit.log import get_logger
+from ddpkit.runtime import lifetime
 
 log = get_logger(__name__)
 
 # group -> ShmCommunicator, or None when shm proved unusable; a communicator is closed
-# when its group dies (ddpkit.lifetime)
+# when its group dies (ddpkit.runtime.lifetime)
 _communicators = lifetime.PerGroup(on_drop=ShmCommunicator.close)
 _hosts = lifetime.PerGroup()  # group -> whether all its ranks share one host
 _DTYPES = {ops.dtype_label(d): d for d in ops.DTYPES}  # a signature's dtype name -> dtype

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.errors import UsageError
-from ddpkit.lifetime import no_python_tls
 from ddpkit.parallel.grad_bucket import GradBucket
+from ddpkit.runtime.lifetime import no_python_tls
 
 
 def sparse_parameters(module: nn.Module) -> set[int]:
@@ -101,7 +101,7 @@ class SparseReducer:
 
     def _reduce_one(self, i: int, grad: torch.Tensor) -> None:
         # At the end of backward: no autograd thread-local state into the Work (as the
-        # dense reducer's launches, ddpkit.lifetime).
+        # dense reducer's launches, ddpkit.runtime.lifetime).
         with no_python_tls():
             self._reduce_now(i, grad)
 

@@ -6,7 +6,8 @@ write ``DistributedDataParallel(...)`` themselves (HF Trainer, Accelerate, Light
 ``torch.nn.parallel.distributed.DistributedDataParallel`` and routes
 ``torch.distributed``'s CPU collectives through ddpkit's (:mod:`ddpkit.comm.torch_route`).
 ``ddpkit launch`` does it in every worker before the program's first line; elsewhere
-``DDPKIT_ENGINE=ddpkit`` or one call does (:mod:`ddpkit.engine_hook`, docs/frameworks.md).
+``DDPKIT_ENGINE=ddpkit`` or one call does (:mod:`ddpkit.launcher.engine_choice`,
+docs/frameworks.md).
 
 The class is ddpkit's ``DataParallel`` and a subclass of torch's class, so
 ``isinstance(model, DistributedDataParallel)`` holds with the name looked up now or

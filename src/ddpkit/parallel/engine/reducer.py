@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 from ddpkit.errors import DdpkitError, UsageError
-from ddpkit.lifetime import no_python_tls
 from ddpkit.parallel.engine.buckets import (
     Allocator,
     Bucket,
@@ -52,6 +51,7 @@ from ddpkit.parallel.engine.buckets import (
 )
 from ddpkit.parallel.engine.interfaces import CommHook, Transport
 from ddpkit.parallel.grad_bucket import GradBucket
+from ddpkit.runtime.lifetime import no_python_tls
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -332,7 +332,7 @@ class BucketReducer:
             self.on_event("comm_start", "")
         # Inside backward, autograd keeps a Python object in thread-local state; a Work
         # created now would capture it, and a backend thread freeing that Work at
-        # interpreter exit would abort the process (ddpkit.lifetime).
+        # interpreter exit would abort the process (ddpkit.runtime.lifetime).
         with no_python_tls():
             self._launch_now(bucket, buffer, views)
 

@@ -48,10 +48,10 @@ from ddpkit.errors import CommError, ConfigError
 from ddpkit.log import get_logger
 from ddpkit.parallel.engine.buckets import default_allocator
 from ddpkit.parallel.engine.state_sync import BytePacker, broadcast_coalesced, broadcast_packed
+from ddpkit.vocabulary import COMM_CHOICES
 
 log = get_logger(__name__)
 
-COMM_CHOICES = ("auto", "backend", "ring", "shm")
 # Scratch per rank for buckets that are not in the segment (a joined rank's stand-in
 # zeros, a bucket whose allocation failed): they go through it in pieces.
 SHM_SLOT_MB = 2.0
@@ -295,14 +295,10 @@ class ShmTransport:
 
 def make(choice: str, group) -> BackendTransport | RingTransport | ShmTransport:
     """The transport for a resolved choice (collective for ``"shm"``)."""
-    if choice == "backend":
-        return BackendTransport(group)
-    if choice == "ring":
-        return RingTransport(group)
-    if choice == "shm":
-        return ShmTransport(group)
-    raise ConfigError(f"comm must be one of {', '.join(COMM_CHOICES)} or a comm hook, "
-                      f"got {choice!r}")
+    if choice == "auto" or choice not in COMM_CHOICES:
+        raise ConfigError(f"comm must be one of {', '.join(COMM_CHOICES)} or a comm hook, "
+                          f"got {choice!r}")
+    return COMM_CHOICES.resolve(choice)(group)
 
 
 def build(comm: str, device_types: Sequence[str], group):

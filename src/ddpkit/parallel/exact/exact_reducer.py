@@ -41,7 +41,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpkit.errors import ConfigError, DdpkitError
-from ddpkit.lifetime import no_python_tls
 from ddpkit.log import get_logger
 from ddpkit.parallel.engine.interfaces import CommHook
 from ddpkit.parallel.exact.exact_sum32 import FORMATS, choose_format, make_mean
@@ -54,6 +53,7 @@ from ddpkit.parallel.exact.slices import (
     seed_slice,
     slice_positions,
 )
+from ddpkit.runtime.lifetime import no_python_tls
 from ddpkit.slice_count import EXACT_THREADS, check_slices, saved_slice_count
 
 log = get_logger(__name__)
@@ -373,7 +373,7 @@ class ExactReducer:
             if self.sum_format == "int32":  # on one host: read the peers' rows in place
                 collectives["shared"] = self.transport
         # Inside backward (this is its end callback): collectives must not capture
-        # autograd's Python thread-local state (see ddpkit.lifetime). A sum on one
+        # autograd's Python thread-local state (see ddpkit.runtime.lifetime). A sum on one
         # process, or one that reads its peers in place, launches none: it skips the
         # guard's cost.
         quiet = not collectives or getattr(self._mean, "in_place", False)

@@ -36,8 +36,7 @@ from ddpkit.errors import ConfigError, UsageError
 from ddpkit.parallel.zero.layer_gathering import LayerGathering
 from ddpkit.parallel.zero.shard_layout import bucket_shards
 from ddpkit.parallel.zero.sharded_params import ShardedParameters
-
-SHARD_CHOICES = ("none", "optimizer", "gradients", "parameters")
+from ddpkit.vocabulary import SHARD_CHOICES
 
 
 def check_mode(shard: str) -> str:

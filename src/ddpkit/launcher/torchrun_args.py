@@ -41,6 +41,57 @@ DDPKIT_DEFAULTS = {
 _WATCHED = ("node_rank", "master_addr")
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
+# The launch options that `ddpkit train` and `ddpkit verify` take, declared once: torchrun's
+# flags, under both of torchrun's spellings and with torchrun's meaning (tests check them
+# against torchrun's parser, which `ddpkit launch` reads these and every other torchrun
+# flag with). Declared here rather than copied from torch's parser at start-up: building
+# that parser imports torch, seconds before any command could say a word.
+# flag -> argparse settings of train/verify.
+LAUNCH_OPTIONS: dict[str, dict] = {
+    "--nproc-per-node": dict(
+        type=int, default=None, metavar="N",
+        help="processes on this node (default: one per GPU, or 2 on CPU)"),
+    "--nnodes": dict(default="1", metavar="N|MIN:MAX",
+                     help="number of nodes, or MIN:MAX for elastic"),
+    "--node-rank": dict(
+        type=int, default=None,
+        help="this node's rank (static rendezvous) (default: given by the rendezvous)"),
+    "--rdzv-endpoint": dict(
+        default=None, metavar="HOST:PORT",
+        help="HOST:PORT of the rendezvous (multi-node): c10d's on the first node, or the "
+             "etcd server (default: none, one node)"),
+    "--rdzv-id": dict(default="ddpkit", help="job id shared by all nodes"),
+    "--rdzv-backend": dict(
+        choices=("c10d", "etcd-v2"), default="c10d",
+        help="c10d: the rendezvous store lives on the first node, so the job cannot "
+             "outlive it; etcd-v2: --rdzv-endpoint is an etcd server (v2 API, python-etcd "
+             "client), any node may be lost"),
+    "--rdzv-conf": dict(
+        default="", metavar="KEY=VALUE,...",
+        help="torchrun's rendezvous settings, e.g. keep_alive_interval=2,"
+             "keep_alive_max_attempt=5 (default: none; several nodes: docs/multinode.md "
+             "gives ddpkit's detection defaults)"),
+    "--max-restarts": dict(type=int, default=0, metavar="K",
+                           help="restart all workers up to K times when one fails"),
+    "--local-addr": dict(
+        default=None,
+        help="address other nodes reach this node by (default: the source address of "
+             "the route to --rdzv-endpoint)"),
+}
+
+
+def torchrun_spellings(flag: str) -> tuple[str, ...]:
+    """torchrun accepts every flag as ``--a-b`` and ``--a_b``."""
+    return tuple(dict.fromkeys((flag, "--" + flag[2:].replace("-", "_"))))
+
+
+def add_launch_options(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = ()) -> None:
+    """LAUNCH_OPTIONS (less ``leave_out``) as a "launch" group of ``parser``."""
+    group = parser.add_argument_group("launch (torchrun's options; docs/multinode.md)")
+    for flag, settings in LAUNCH_OPTIONS.items():
+        if flag not in leave_out:
+            group.add_argument(*torchrun_spellings(flag), **settings)
+
 
 def _one_line_error(message: str) -> NoReturn:
     if message.startswith("unrecognized arguments"):
@@ -72,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
 def add_engine_option(parser: argparse.ArgumentParser) -> None:
     """ddpkit's one option of its own: what torch's DistributedDataParallel and CPU
     collectives are in the workers (DDPKIT_ENGINE, which sets its default)."""
-    from ddpkit.engine_hook import ENGINES, engine_from_env
+    from ddpkit.launcher.engine_choice import engine_from_env
+    from ddpkit.vocabulary import ENGINES
 
     parser.add_argument(
         "--engine", choices=ENGINES, default=engine_from_env() or "ddpkit",

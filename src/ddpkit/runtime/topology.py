@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ddpkit.errors import ConfigError
-from ddpkit.world import assign_devices
+from ddpkit.runtime.world import assign_devices
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """JSON that readers never choke on: no NaN/inf. Shared by the training application's
 reports and the library's metric log (torch-free, so the launcher can use it before any
-worker starts); files are written atomically by :mod:`ddpkit.durable`."""
+worker starts); files are written atomically by :mod:`ddpkit.files.durable`."""
 
 from __future__ import annotations
 

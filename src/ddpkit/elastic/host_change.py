@@ -1,7 +1,7 @@
 """The workers' side of an elastic job's membership: where training stands, and one line
 when the hosts changed.
 
-Between the launcher (torchrun's agent with ddpkit's rendezvous, ``ddpkit.membership``)
+Between the launcher (torchrun's agent with ddpkit's rendezvous, ``ddpkit.elastic.membership``)
 and the workers it starts on one host:
 
 * **The step note.** The launcher names a small file in :data:`STEP_NOTE_ENV`; local
@@ -26,14 +26,14 @@ import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ddpkit.writer_fence import generation
+from ddpkit.elastic.writer_fence import generation
+from ddpkit.exit_codes import EXIT_PEER_LOST
 
 STEP_NOTE_ENV = "DDPKIT_STEP_NOTE"  # path of this host's step note (set by the launcher)
 CHANGE_ENV = "DDPKIT_HOSTS_CHANGE"  # JSON: lost, joined, hosts, after_step
 RUNNING, FINISHED, STOPPED = 0, 1, 2
 # A worker whose peer was lost (EX_PROTOCOL): its launcher says what happened, and waits
 # for the change of hosts instead of counting a failure.
-EXIT_PEER_LOST = 76
 _NOTE = struct.Struct("<qq")  # (step, status)
 # How a collective says that the process at the other end is gone (gloo, ddpkit's watchdog).
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",

@@ -94,11 +94,11 @@ class SlurmJob:
         if self.gpus_per_node < 0:
             raise ConfigError(f"--gpus-per-node must be >= 0, got {self.gpus_per_node}")
         if self.tasks < 1:
-            raise ConfigError("CPU-only nodes (--gpus-per-node 0) need --tasks-per-node N")
+            raise ConfigError("CPU-only nodes (--gpus-per-node 0) need --ntasks-per-node N")
         if self.gpus_per_node and self.tasks != self.gpus_per_node:
             raise ConfigError(
-                f"--tasks-per-node {self.tasks} != --gpus-per-node {self.gpus_per_node}: "
-                "ddpkit runs one process per GPU; leave --tasks-per-node out on GPU nodes")
+                f"--ntasks-per-node {self.tasks} != --gpus-per-node {self.gpus_per_node}: "
+                "ddpkit runs one process per GPU; leave --ntasks-per-node out on GPU nodes")
         if not self.command:
             raise ConfigError("nothing to run: give `-- train ARGS` or `-- SCRIPT.py ARGS`")
         head = self.command[0]
@@ -301,7 +301,7 @@ def write(job: SlurmJob, path: str | Path, *, force: bool = False,
     """Write the script to ``path`` (executable); never replace a file unless ``force``."""
     path = Path(path)
     if path.exists() and not force:
-        raise ConfigError(f"{path} already exists; choose another --script path or pass --force")
+        raise ConfigError(f"{path} already exists; choose another --out path or pass --force")
     if not path.parent.is_dir():
         raise ConfigError(f"directory {path.parent} does not exist; create it first")
     path.write_text(render(job, argv))

@@ -62,18 +62,18 @@ def free_port() -> int:
 
 
 def _child(rank, world_size, fn, args, init_method, port, backend, timeout, results):
-    from ddpkit import runtime
+    from ddpkit.runtime import process_group
 
     os.environ.update(worker_env(rank, world_size, port))
     try:
-        world = runtime.init(backend, init_method, timeout)
+        world = process_group.init(backend, init_method, timeout)
         value = fn(world, *args)
         results.put((rank, True, value))
     except BaseException as exc:  # reported to the parent, which decides what to raise
         text = "".join(traceback.format_exception(exc))
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{text}"))
     finally:
-        runtime.shutdown()
+        process_group.shutdown()
 
 
 def spawn(

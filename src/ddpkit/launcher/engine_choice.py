@@ -12,7 +12,7 @@ imported first. (Waiting for the program's own ``import torch`` would not do: wh
 import comes from inside ddpkit, the swap, which needs ddpkit's engine, would run while
 that ddpkit module is half-initialized.) ``DDPKIT_ENGINE=torch`` (what ``ddpkit launch
 --engine torch`` gives its workers) leaves torch as it is. ``ddpkit launch`` runs the same
-check in each worker before the program (:mod:`ddpkit.script_runner`), for an
+check in each worker before the program (:mod:`ddpkit.launcher.script_runner`), for an
 interpreter that did not read the ``.pth`` (``python -S``, ddpkit on ``PYTHONPATH``).
 
 This module imports torch only when the variable asks for the swap.
@@ -25,7 +25,6 @@ import os
 import sys
 
 ENGINE_ENV = "DDPKIT_ENGINE"
-ENGINES = ("ddpkit", "torch")
 SWAP_MODULE = "ddpkit.parallel.compat.torch_swap"
 
 
@@ -35,6 +34,8 @@ def engine_from_env() -> str | None:
     value = os.environ.get(ENGINE_ENV)
     if value is None or value == "":
         return None
+    from ddpkit.vocabulary import ENGINES
+
     if value not in ENGINES:
         from ddpkit.errors import ConfigError
 

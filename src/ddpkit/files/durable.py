@@ -27,7 +27,6 @@ from typing import BinaryIO
 
 from ddpkit.errors import DdpkitError
 
-EXIT_DISK_FULL = 74  # sysexits.h EX_IOERR: a restart cannot fix it, freeing space can
 TMP_MARK = ".tmp-"  # temporaries are ".<name>.tmp-<pid>": hidden, one per writing process
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 # A write that failed where less than this is free is taken for a full disk even when

@@ -17,10 +17,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ddpkit import lifetime
 from ddpkit.errors import ConfigError
 from ddpkit.log import get_logger
-from ddpkit.world import World
+from ddpkit.runtime import lifetime
+from ddpkit.runtime.world import World
 
 log = get_logger(__name__)
 
@@ -156,7 +156,7 @@ def shutdown() -> None:
         # What ddpkit built on the groups (lanes, companion groups, shared-memory
         # communicators) is closed as the groups die; a group that torch's own function
         # defaults captured is let go, so its backend threads are joined now
-        # (ddpkit.lifetime).
+        # (ddpkit.runtime.lifetime).
         dist.destroy_process_group()
         lifetime.release_torch_defaults()
         gc.collect()

@@ -13,7 +13,7 @@ out (:class:`Membership`, beside torch's handler):
   and meets the others again, without counting it as one of ``--max-restarts``; the
   workers are killed first (they wait in a collective on a peer that is gone, and a
   stop signal would wait out the agent's grace period).
-* **A host that loses contact stops its workers** (:class:`ddpkit.host_lease.Lease`)
+* **A host that loses contact stops its workers** (:class:`ddpkit.elastic.host_lease.Lease`)
   before the others continue without it, and its launcher ends with one line.
 * **Workers that failed or stopped because a peer was lost** are not a failure of
   their own (:class:`ElasticAgent`): when every failed worker only lost a peer
@@ -28,7 +28,7 @@ out (:class:`Membership`, beside torch's handler):
   step note's path and, after a change, which hosts were lost or joined
   (``host_change``).
 
-Defaults (``ddpkit.rendezvous.ELASTIC_DEFAULTS``, where ``--rdzv-conf`` does not say):
+Defaults (``ddpkit.elastic.rendezvous.ELASTIC_DEFAULTS``, where ``--rdzv-conf`` does not say):
 a heartbeat every second, a member silent for 3 s is lost, 2 s of last call for more
 hosts once the minimum has met. See docs/multinode.md for what they cost and how to change them.
 """
@@ -53,23 +53,22 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.elastic.utils.store import store_timeout
 
-from ddpkit.errors import DdpkitError
-from ddpkit.host_change import (
+from ddpkit.elastic.host_change import (
     CHANGE_ENV,
-    EXIT_PEER_LOST,
     FINISHED,
     STEP_NOTE_ENV,
     STOPPED,
     read_note,
 )
-from ddpkit.host_lease import Lease
-from ddpkit.launcher_link import child_pids
+from ddpkit.elastic.host_lease import Lease
+from ddpkit.elastic.writer_fence import GENERATION_ENV
+from ddpkit.errors import DdpkitError
+from ddpkit.exit_codes import EXIT_HOST_LOST, EXIT_PEER_LOST
 from ddpkit.log import get_logger
-from ddpkit.writer_fence import GENERATION_ENV
+from ddpkit.runtime.launcher_link import child_pids
 
 log = get_logger(__name__)
 
-EXIT_HOST_LOST = 69  # EX_UNAVAILABLE: this host lost the job (or the job lost its store)
 EXIT_WAIT_S = 60.0  # the longest a finished host waits at the exit for a live peer
 _UNREACHABLE = (RendezvousConnectionError, DistNetworkError, DistStoreError)
 _pending: list[BaseException] = []  # raised in the main thread by the fence signal

@@ -1,17 +1,17 @@
 """How ``ddpkit launch`` runs a user's program on each rank: exactly as ``python script.py``
 (or ``python -m module``) would, plus one thing at the end.
 
-``python -m ddpkit.script_runner script.py ARGS...`` (or ``-m module ARGS...``) runs the
+``python -m ddpkit.launcher.script_runner script.py ARGS...`` (or ``-m module ARGS...``) runs the
 program as ``__main__`` with the same ``sys.argv``, ``sys.path[0]``, ``__file__``, exit
 code and traceback. When the program is over, after its own ``atexit`` handlers, the
 runner frees what the program left in its module globals (a torch DDP model holds its
 process group), then the default process group is destroyed after the ranks meet
-(:mod:`ddpkit.lifetime`). The groups' gloo threads are therefore joined before the
+(:mod:`ddpkit.runtime.lifetime`). The groups' gloo threads are therefore joined before the
 interpreter finalizes, where a thread still freeing a collective's Python objects would
 otherwise abort the process ("terminate called without an active exception") although
 the program succeeded. The program's own code is not touched; with
 ``DDPKIT_ENGINE=ddpkit`` (``ddpkit launch``'s default) torch's DistributedDataParallel and
-CPU collectives are ddpkit's before its first line (:mod:`ddpkit.engine_hook`).
+CPU collectives are ddpkit's before its first line (:mod:`ddpkit.launcher.engine_choice`).
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ import runpy
 import sys
 import types
 
-from ddpkit import engine_hook, lifetime
+from ddpkit.launcher import engine_choice
+from ddpkit.runtime import lifetime
 
-USAGE = "usage: python -m ddpkit.script_runner (SCRIPT | -m MODULE) [ARGS...]"
+USAGE = "usage: python -m ddpkit.launcher.script_runner (SCRIPT | -m MODULE) [ARGS...]"
 
 _programs: list[dict] = []  # the globals of the program this process runs
 
@@ -82,7 +83,7 @@ def free_program() -> None:
     """Drop what the finished program still holds, so the objects it kept in globals (and
     any cycles among them) are freed now rather than during finalization."""
     # An uncaught exception's traceback holds the program's frames and so its globals;
-    # the exception itself stays (ddpkit.lifetime reads it to skip the exit barrier).
+    # the exception itself stays (ddpkit.runtime.lifetime reads it to skip the exit barrier).
     failed = getattr(sys, "last_value", None)
     if isinstance(failed, BaseException):
         failed.__traceback__ = None
@@ -97,9 +98,9 @@ def main(argv: list[str]) -> None:
         print(USAGE, file=sys.stderr)
         raise SystemExit(2)
     lifetime.destroy_default_group_at_exit()
-    engine_hook.install_from_env()  # DDPKIT_ENGINE=ddpkit: torch's DDP is ddpkit's
+    engine_choice.install_from_env()  # DDPKIT_ENGINE=ddpkit: torch's DDP is ddpkit's
     # Registered before the program runs, so it runs after the program's own handlers
-    # and before ddpkit.lifetime's teardown (atexit runs handlers last-in, first-out).
+    # and before ddpkit.runtime.lifetime's teardown (atexit runs handlers last-in, first-out).
     atexit.register(free_program)
     try:
         if argv[0] == "-m":

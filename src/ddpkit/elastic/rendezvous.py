@@ -84,9 +84,9 @@ def listening_store(addr: str, port: int, timeout: timedelta):
 
 
 def _bound_handler_class(backend: str, multi_node: bool, timeout: timedelta):
-    """ddpkit's elastic handler (``ddpkit.membership``) whose workers' store listens on
+    """ddpkit's elastic handler (``ddpkit.elastic.membership``) whose workers' store listens on
     one address and is new for every round."""
-    from ddpkit.membership import ElasticHandler
+    from ddpkit.elastic.membership import ElasticHandler
 
     class BoundHandler(ElasticHandler):
         def _create_tcp_store_server(self, master_addr, master_port):
@@ -106,8 +106,8 @@ def _bound_handler_class(backend: str, multi_node: bool, timeout: timedelta):
 
 def _elastic(handler, params, backend: str, hosts_store: bool):
     """The handler torch's factory built, as ddpkit's; with the liveness of
-    ``ddpkit.membership`` when the job may span several hosts."""
-    from ddpkit.membership import adopt
+    ``ddpkit.elastic.membership`` when the job may span several hosts."""
+    from ddpkit.elastic.membership import adopt
 
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
     multi_node = params.max_nodes > 1

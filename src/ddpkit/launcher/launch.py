@@ -1,7 +1,7 @@
 """``ddpkit launch``: torchrun's elastic agent with safer defaults and a readable failure.
 
 We do not write an agent. ``ddpkit launch`` takes any torchrun command line, reads it
-with torchrun's own parser (``ddpkit.torchrun_args``) and hands it to
+with torchrun's own parser (``ddpkit.launcher.torchrun_args``) and hands it to
 ``torch.distributed.run.run`` (the real agent), so a script and a command line that run
 under plain torchrun run unchanged here. What we add, each only where the user left the
 choice open:
@@ -16,7 +16,7 @@ choice open:
   uses that route's interface (``GLOO_SOCKET_IFNAME``);
 * the first failing rank reported once, in one line, with exit code != 0;
 * workers that die with the launcher, and no restart after a failure a restart would
-  only repeat (a user error, a full disk, a diverged loss: ``ddpkit.launcher_link``).
+  only repeat (a user error, a full disk, a diverged loss: ``ddpkit.runtime.launcher_link``).
 
 ``ddpkit train``/``verify`` come in through :func:`launch` with :class:`LaunchOptions`,
 which become the same command line for the same agent. (Starting the workers without
@@ -25,7 +25,7 @@ import of torch and the agent's monitor loop, as benchmarks/RESULTS-history.md's
 start-up section shows; we keep the real agent: nothing home-made where PyTorch has
 the part.)
 
-The launcher owns the terminal (``ddpkit.console``): rank 0 writes its
+The launcher owns the terminal (``ddpkit.launcher.console``): rank 0 writes its
 progress to a file the launcher names in ``DDPKIT_PROGRESS_FILE``, and the launcher
 draws it as a live status line on a terminal, or as a plain line now and then. With
 ``LaunchOptions.plain_terminal`` (``ddpkit train``, ``ddpkit verify``) a terminal gets
@@ -45,15 +45,15 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ddpkit import rendezvous
-from ddpkit.console import PROGRESS_ENV, Console, columns
-from ddpkit.engine_hook import ENGINE_ENV
+from ddpkit.elastic import rendezvous
 from ddpkit.errors import ONE_LINE_ERRORS_ENV, ConfigError
-from ddpkit.failure_report import report_failure
-from ddpkit.host_malloc import worker_malloc_env
-from ddpkit.launcher_link import FinalFailure, continue_stopped_children, linked_workers
+from ddpkit.launcher.console import PROGRESS_ENV, Console, columns
+from ddpkit.launcher.engine_choice import ENGINE_ENV
+from ddpkit.launcher.failure_report import report_failure
+from ddpkit.launcher.torchrun_args import check_nproc, default_nproc, nnodes_range
+from ddpkit.launcher.worker_heap import worker_malloc_env
 from ddpkit.log import TERMINAL_COLUMNS_ENV, get_logger
-from ddpkit.torchrun_args import check_nproc, default_nproc, nnodes_range
+from ddpkit.runtime.launcher_link import FinalFailure, continue_stopped_children, linked_workers
 
 __all__ = ["LaunchOptions", "check_nproc", "default_nproc", "launch", "launch_argv",
            "route_to", "torchrun_argv"]
@@ -216,9 +216,9 @@ def launch_argv(argv: Sequence[str],
                 plain_rank0: bool = False) -> int:
     """``ddpkit launch ARGV``: any torchrun command line, run by torchrun's agent.
 
-    The line is read by torchrun's own parser (``ddpkit.torchrun_args``); what ddpkit adds
+    The line is read by torchrun's own parser (``ddpkit.launcher.torchrun_args``); what ddpkit adds
     on top happens here: the network choices a multi-node c10d job needs, stores that
-    listen only where they must (``ddpkit.rendezvous``), and a one-line summary of the
+    listen only where they must (``ddpkit.elastic.rendezvous``), and a one-line summary of the
     first failure. ``timeout_flag`` names the option that bounds the wait for the first
     node, for the message when it does not answer. ``plain_rank0``: on a terminal, local
     rank 0's lines without the tee's prefix. Returns the exit code.
@@ -232,14 +232,15 @@ def launch_argv(argv: Sequence[str],
         RendezvousTimeoutError,
     )
 
-    from ddpkit import membership, torchrun_args
+    from ddpkit.elastic import membership
+    from ddpkit.launcher import torchrun_args
 
     args = torchrun_args.parse(list(argv))
     run_through_script_runner(args, torchrun.get_use_env(args))
-    os.environ[ENGINE_ENV] = args.engine  # read by every worker (ddpkit.engine_hook)
+    os.environ[ENGINE_ENV] = args.engine  # read by every worker (ddpkit.launcher.engine_choice)
     # A DdpkitError escaping the script: one line per rank and exit 2, not a traceback.
     os.environ.setdefault(ONE_LINE_ERRORS_ENV, "1")
-    os.environ.update(worker_malloc_env())  # workers reuse large blocks (host_malloc)
+    os.environ.update(worker_malloc_env())  # workers reuse large blocks (worker_heap)
     prepare_network(args, timeout_flag)
     final = FinalFailure()
     try:
@@ -287,7 +288,7 @@ def launch_argv(argv: Sequence[str],
 
 
 def run_through_script_runner(args, use_env: bool) -> None:
-    """Each rank runs the program through :mod:`ddpkit.script_runner`: unchanged, but with
+    """Each rank runs the program through :mod:`ddpkit.launcher.script_runner`: unchanged, but with
     its process groups torn down before the interpreter finalizes (a gloo thread freeing a
     collective's Python objects during finalization aborts a program that succeeded).
     Not for ``--no-python`` executables, ``--run-path`` (in the agent's interpreter) or
@@ -296,7 +297,7 @@ def run_through_script_runner(args, use_env: bool) -> None:
         return
     program = ["-m", args.training_script] if args.module else [args.training_script]
     args.training_script_args = [*program, *args.training_script_args]
-    args.training_script = "ddpkit.script_runner"
+    args.training_script = "ddpkit.launcher.script_runner"
     args.module = True
 
 

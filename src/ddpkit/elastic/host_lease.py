@@ -6,7 +6,7 @@ The other hosts declare a silent host dead once its heartbeat is older than torc
 cut off the network cannot hear that: its workers are blocked in a collective (or,
 worse, in the middle of writing a checkpoint) and would stay so until some timeout. The
 lease is its own side of the same clock: it expires about when the others give up on
-the host (``ddpkit.membership`` sets half a keep-alive interval less than their limit,
+the host (``ddpkit.elastic.membership`` sets half a keep-alive interval less than their limit,
 counted from the last contact rather than the last heartbeat), and its expiry stops the
 host's workers at once. The others still have to meet again (a last call of seconds)
 and start new workers before anything of theirs touches the run, so nothing of the lost

@@ -27,7 +27,7 @@ alive by accident:
   out of thread-local state, so a Work created inside backward captures no Python object.
 
 The version of torch these mechanisms were checked against is
-:data:`ddpkit.torch_target.TORCH_CHECKED`.
+:data:`ddpkit.runtime.torch_target.TORCH_CHECKED`.
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@ Tearing down a process that imported torch (and torch._dynamo, which its optimiz
 import) is slow: every module and object freed one by one, then torch's C++ destructors,
 all after the work is done and its files are closed (the main job's exit, before and
 after: benchmarks/RESULTS-history.md, start-up; the launcher's own process:
-benchmarks/RESULTS.md, "The suite under 10 minutes"). What finalization would do that
+benchmarks/RESULTS-history.md, "The suite under 10 minutes"). What finalization would do that
 matters is done first: non-daemon threads finish, ``atexit`` handlers run (logging's
 flush, ``weakref.finalize`` callbacks and ddpkit's own teardown among them, which
-destroys the process groups first: :mod:`ddpkit.lifetime`), stdout and stderr are
+destroys the process groups first: :mod:`ddpkit.runtime.lifetime`), stdout and stderr are
 flushed. Everything else the OS reclaims.
 
 Used by every worker of ``ddpkit train``/``ddpkit verify`` and by the ``ddpkit`` command

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from conftest import ROOT
-from ddpkit.host_malloc import KEEP_LARGE_BLOCKS, worker_malloc_env
+from ddpkit.launcher.worker_heap import KEEP_LARGE_BLOCKS, worker_malloc_env
 
 
 def test_workers_keep_large_blocks_unless_the_user_decides():

@@ -5,7 +5,7 @@ the engine then scales it into its bucket. Above glibc's mmap threshold (dynamic
 32 MiB) such an allocation is a fresh mapping whose pages fault in on first touch, and
 its free unmaps it again: every step pays the page faults of all large gradients, which
 makes handing a gradient to its bucket cost several times a plain memory pass
-(``benchmarks/fresh_gradient.py``; figures in benchmarks/RESULTS.md). With the
+(``benchmarks/fresh_gradient.py``; figures in benchmarks/RESULTS-history.md). With the
 threshold raised, freed blocks stay in the heap and the next step reuses them.
 
 The launcher passes the two variables to the processes it starts; a process started
