@@ -252,17 +252,36 @@ def leaked_segments(pids: set[int]) -> list[str]:
 
 # ---------------------------------------------------------------------- a disk to fill
 @contextlib.contextmanager
-def small_filesystem(size_mib: int = 16) -> Iterator[Path]:
-    """A tmpfs of ``size_mib`` mounted on a fresh directory (needs root), unmounted after."""
+def small_filesystem(size_mib: int = 16, *, size_kib: int | None = None) -> Iterator[Path]:
+    """A tmpfs of ``size_mib`` (or ``size_kib``) mounted on a fresh directory (needs root),
+    unmounted after. Raises ``OSError`` when the mount is refused (no CAP_SYS_ADMIN)."""
     where = Path(tempfile.mkdtemp(prefix="ddpkit-full-"))
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0755", "tmpfs",
-                    str(where)], check=True, capture_output=True)
+    size = f"{size_kib}k" if size_kib is not None else f"{size_mib}m"
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs",
+                              str(where)], check=False, capture_output=True, text=True)
+    if mounted.returncode != 0:
+        where.rmdir()
+        raise OSError(f"mount -t tmpfs refused: {mounted.stderr.strip()}")
     try:
         yield where
     finally:
         subprocess.run(["umount", "-l", str(where)], check=False, capture_output=True)
         with contextlib.suppress(OSError):
             where.rmdir()
+
+
+@contextlib.contextmanager
+def small_filesystem_or_skip(size_kib: int) -> Iterator[Path]:
+    """:func:`small_filesystem` of ``size_kib``; where no tmpfs can be mounted (not root,
+    no CAP_SYS_ADMIN) the test is skipped, or fails under DDPKIT_REQUIRE_ALL=1."""
+    from conftest import skip_unless_required
+
+    with contextlib.ExitStack() as stack:
+        try:
+            where = stack.enter_context(small_filesystem(size_kib=size_kib))
+        except OSError as err:
+            skip_unless_required(f"needs a small tmpfs: {err}")
+        yield where
 
 
 def can_mount() -> bool:

@@ -227,10 +227,13 @@ SLOW = {
         "test_usr1_reaches_every_worker_through_the_agents_and_requeues"},
     "test_train_fault_api.py": {
         "test_resume_at_another_world_size_keeps_data_position_and_optimizer"},
+    "test_init_from.py": {
+        "test_a_rerun_of_an_init_from_command_after_a_preemption_continues_its_own_run"},
     "test_train_fault.py": {"test_killed_worker_is_restarted_and_the_run_ends_bit_identical",
                             "test_killed_launcher_and_sigterm_each_end_and_the_same_command_"
                             "continues",
                             "test_full_disk_at_a_checkpoint_is_one_line_no_restart_and_no_debris",
+                            "test_a_full_disk_in_any_writer_is_one_line_and_final",
                             "test_a_stopped_rank_is_named_within_the_timeout_and_every_process_"
                             "ends"},
     # collects the files named here in a fresh interpreter

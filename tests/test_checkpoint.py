@@ -145,8 +145,10 @@ def test_run_state_loads_with_plain_torch_weights_only(tmp_path):
 def test_code_in_a_checkpoint_is_refused(tmp_path):
     ckpt = Checkpointer(tmp_path)
     ckpt.save({"payload": Counter(5)}, step=1)  # pickles a class: not weights-only
-    with pytest.raises(CheckpointError, match="refusing to load checkpoint .*weights_only=True"):
+    with pytest.raises(CheckpointError,
+                       match="refusing to load checkpoint .*weights_only=True") as err:
         ckpt.load_latest()
+    assert "weights_only=False" not in str(err.value)  # never torch's advice to retry so
 
 
 def test_damaged_file_loaded_directly_is_one_line(tmp_path):
@@ -397,3 +399,165 @@ def test_cadence_by_steps_and_by_time(monkeypatch):
     assert not by_time.due(3)
     with pytest.raises(CheckpointError, match="every_steps must be >= 1"):
         Cadence(every_steps=0)
+
+
+class _RunsCode:
+    """Unpickled, it would create a file: what a planted pickle could do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_planted_metadata_pickle_cannot_run_code(tmp_path):
+    """DCP's ``.metadata`` is a pickle: ddpkit's reader builds DCP's own classes and plain
+    values, nothing else, so a planted one is refused before it runs anything."""
+    import pickle
+
+    from ddpkit.checkpoint import read_model_state
+
+    model = Net()
+    path = Checkpointer(tmp_path / "ckpt").save(collect_state(model=model, step=1), 1)
+    assert read_model_state(path).keys() == model.state_dict().keys()  # the real one reads
+    marker = tmp_path / "ran"
+    (path / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(pickle.UnpicklingError, match=r"io\.open is not part of a DCP "
+                                                     "checkpoint's metadata"):
+        read_model_state(path)
+    assert not marker.exists()
+    # and the verified load skips it as changed since written, never unpickling it
+    assert Checkpointer(tmp_path / "ckpt").load_latest() is None
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("leave", [0, 4096, 8192, 12288, 16384, 20480])
+def test_a_full_disk_in_any_dcp_write_is_a_disk_full_error_that_crosses_ranks(tmp_path, leave):
+    """Each free space left here fails another write of DCP's: torch's zip writer's short
+    write (a RuntimeError, "unexpected pos"), the data file's own write, ``.metadata``.
+    Each must be a DiskFullError on the rank that wrote, still one after pickling (DCP
+    sends every rank's failure to all), and the save leaves nothing behind."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from chaos_harness import fill, small_filesystem_or_skip
+    from ddpkit.checkpoint.dcp_files import hashing_writer
+    from ddpkit.files.durable import DiskFullError
+
+    state = {"model": {"w": torch.randn(64, 64), "b": torch.randn(64)}}
+    with small_filesystem_or_skip(256) as where:
+        (where / "raw").mkdir()
+        filler = fill(where, leave)
+        writer, _ = hashing_writer(where / "raw")
+        with pytest.raises(CheckpointException) as caught:
+            dcp.save(state, storage_writer=writer, no_dist=True)
+        (failure,) = caught.value.failures.values()
+        failure = failure[0] if isinstance(failure, tuple) else failure
+        assert isinstance(pickle.loads(pickle.dumps(failure)), DiskFullError), repr(failure)
+        assert "no space left on device writing in" in str(failure)
+
+        filler.unlink()
+        ckpt = Checkpointer(where / "ckpt")
+        fill(where, leave)
+        with pytest.raises(DiskFullError, match=r"to write .*/ckpt/step_000000001: it needs "):
+            ckpt.save(state, 1)
+        assert [p.name for p in (where / "ckpt").iterdir()] == []  # no debris
+
+
+def test_which_failed_writes_are_taken_for_a_full_disk(monkeypatch, tmp_path):
+    """ENOSPC anywhere in the chain always; an I/O error of another wording only where
+    next to nothing is free; any other error never."""
+    import errno
+
+    from ddpkit.files import durable
+
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    short_write = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+    short_write.__context__ = enospc
+    lost_errno = RuntimeError("unexpected pos 704 vs 598")  # as it arrives from another rank
+    for free, expected in ((0, True), (10 << 20, False)):
+        monkeypatch.setattr(durable, "free_bytes", lambda _, free=free: free)
+        assert durable.failed_for_space(short_write, tmp_path)
+        assert durable.failed_for_space(enospc, tmp_path)
+        assert durable.failed_for_space(lost_errno, tmp_path) is expected
+        assert durable.failed_for_space(OSError(errno.EIO, "I/O error"), tmp_path) is expected
+        assert not durable.failed_for_space(TypeError("cannot pickle"), tmp_path)
+
+
+def test_a_planted_non_tensor_value_in_dcp_data_cannot_run_code(tmp_path):
+    """DCP pickles the values that are not tensors (an optimizer's hyper-parameters)
+    into its data files; ddpkit's load planner reads them with ``weights_only=True``,
+    where DCP's own would run what the pickle says."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ddpkit.checkpoint.dcp_files import SafeLoadPlanner, SafeReader
+
+    marker = tmp_path / "ran"
+    dcp.save({"lr": _RunsCode(marker), "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "c"),
+             no_dist=True)
+    assert not marker.exists()
+    with pytest.raises(CheckpointException) as err:
+        dcp.load({"lr": 0.0, "w": torch.zeros(2)}, storage_reader=SafeReader(tmp_path / "c"),
+                 planner=SafeLoadPlanner(), no_dist=True)
+    (failure,) = err.value.failures.values()
+    failure = failure[0] if isinstance(failure, tuple) else failure
+    assert isinstance(failure, pickle.UnpicklingError) and "io.open" in str(failure), failure
+    assert not marker.exists()
+    # what the test guards against: DCP's default planner runs it
+    dcp.load({"lr": 0.0, "w": torch.zeros(2)}, storage_reader=SafeReader(tmp_path / "c"),
+             planner=DefaultLoadPlanner(), no_dist=True)
+    assert marker.exists()
+
+
+def _load_where_rank1_sees_an_empty_directory(world, directory):
+    """Rank 1 sees ``directory`` as a node without the shared filesystem would: a mount
+    namespace of its own lays an empty tmpfs over it (needs root). The namespace is the
+    loading thread's alone (a mount namespace is per thread once unshared), so the pool
+    worker itself keeps the common view. What each rank raises."""
+    import ctypes
+    import subprocess
+    import threading
+
+    ckpt = Checkpointer(directory)
+    ckpt.save(collect_state(model=Net(), step=3), 3)
+    out: dict[str, object] = {"hidden": False}
+
+    def load() -> None:
+        if world.rank == 1:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.unshare(0x00020000) == 0:  # CLONE_NEWNS
+                subprocess.run(["mount", "--make-rprivate", "/"], check=True)
+                subprocess.run(["mount", "-t", "tmpfs", "tmpfs", directory], check=True)
+                out["hidden"] = True
+        try:
+            ckpt.load_latest()
+            out["said"] = "loaded"
+        except CheckpointError as err:
+            out["said"] = str(err)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    thread.join()
+    return out["hidden"], out["said"]
+
+
+def test_a_rank_that_cannot_see_the_checkpoint_directory_makes_every_rank_raise(
+        pools, tmp_path):
+    from chaos_harness import can_mount
+    from conftest import skip_unless_required
+
+    if not can_mount():
+        skip_unless_required("needs root to give one rank its own view of a directory")
+    results = pools(2).run(_load_where_rank1_sees_an_empty_directory, str(tmp_path / "c"))
+    if not results[1][0]:
+        skip_unless_required("unshare(CLONE_NEWNS) refused")
+    (_, said0), (_, said1) = results
+    assert said0 != "loaded" and said1 != "loaded"  # every rank raised, none waits
+    assert "reported by rank 1" in said0 and "step_000000003" in said1, (said0, said1)

@@ -89,18 +89,47 @@ def run_format1(world, run_dir, shard):
     return resumed_at, {k: v.clone() for k, v in final.items()}, steps
 
 
-def _check_format1(result, kind):
-    resumed_at, final, steps = result
-    expected = torch.load(FORMAT1 / kind / "expected.pt", weights_only=True)
-    assert resumed_at == 3 and steps == [3, 5]  # the old file, then a DCP directory
-    assert final.keys() == expected.keys()
-    assert all(torch.equal(final[k], expected[k]) for k in expected), kind
+def _train_on_by_hand(model, opt, sampler, data, saved, until):
+    """make.py's steps after the checkpoint ``saved`` (a format 1 file's dict) up to step
+    ``until``, with plain torch; the weights after them."""
+    sampler.set_epoch(saved["sampler"]["epoch"])
+    done = saved["sampler"]["position"] // sampler.global_batch_size
+    for index, batch in enumerate(sampler.batches()):
+        if index < done:
+            continue  # trained before the checkpoint
+        if index >= until:
+            break
+        x, y = data.tensors[0][batch.indices], data.tensors[1][batch.indices]
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _continued_without_resume(kind, until):
+    """The reference: the format 1 checkpoint's state, read from its file by hand, trained
+    on to ``until`` here with plain torch (no Run, no resume path). Computed on this CPU,
+    so it compares bits with bits of the same machine."""
+    make = _maker()
+    saved = torch.load(FORMAT1 / kind / "checkpoints" / "step_000000003.pt", weights_only=True)
+    model, opt, sampler, data = make.build("single")
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    return _train_on_by_hand(model, opt, sampler, data, saved, until)
 
 
 def test_a_format1_checkpoint_resumes_bit_for_bit(tmp_path):
     shutil.copytree(FORMAT1 / "plain", tmp_path / "plain")
-    _check_format1(run_format1(None, tmp_path / "plain", "single"), "plain")
+    resumed_at, final, steps = run_format1(None, tmp_path / "plain", "single")
+    expected = _continued_without_resume("plain", 5)
+    assert resumed_at == 3 and steps == [3, 5]  # the old file, then a DCP directory
+    assert final.keys() == expected.keys()
+    differ = [k for k in expected if not torch.equal(final[k], expected[k])]
+    assert not differ, differ
     assert (tmp_path / "plain" / "checkpoints" / "step_000000005" / ".metadata").exists()
+    # The comparison can fail: one step short of the resumed run is another state.
+    short = _continued_without_resume("plain", 4)
+    assert any(not torch.equal(final[k], short[k]) for k in short)
 
 
 def run_format1_zero_restored(world, run_dir):
@@ -224,6 +253,33 @@ def run_make_job(world, run_dir, shard, save_at, until):
     return resumed_at, final, refused
 
 
+def run_format1_zero_continued_by_hand(world, until):
+    """The reference for the format 1 ZeRO checkpoint: its weights and its ranks' optimizer
+    pieces, read from the files by hand and joined into plain AdamW state, trained on to
+    ``until`` here at two ranks without sharding (the same bits as ZeRO-1, see
+    test_zero.py) and without Run: no resume path is involved."""
+    make = _maker()
+    directory = FORMAT1 / "zero" / "checkpoints"
+    saved = torch.load(directory / "step_000000003.pt", weights_only=True)
+    wrapped, opt, sampler, data = make.build("none")
+    model = wrapped.module
+    model.load_state_dict(saved["model"])
+    joined: dict[str, dict[str, list]] = {}
+    steps: dict[str, torch.Tensor] = {}
+    for rank in range(2):
+        part = torch.load(directory / f"step_000000003.rank{rank:05d}-of-00002.pt",
+                          weights_only=True)["optimizer"]
+        for name, pieces in part["pieces"].items():
+            for start, _, key, value in pieces:
+                joined.setdefault(name, {}).setdefault(key, []).append((start, value))
+        steps.update({name: v["step"] for name, v in part["scalars"].items()})
+    for name, param in model.named_parameters():
+        state = {key: torch.cat([v for _, v in sorted(parts, key=lambda p: p[0])])
+                 .view_as(param).clone() for key, parts in joined[name].items()}
+        opt.state[param] = {"step": steps[name].clone(), **state}
+    return _train_on_by_hand(wrapped, opt, sampler, data, saved, until)
+
+
 @pytest.mark.parametrize("shard", ["none", "optimizer", "gradients", "parameters"])
 def test_a_zero_run_resumed_at_the_same_world_size_ends_bit_for_bit(pools, tmp_path, shard):
     whole = pools(2).run(run_make_job, str(tmp_path / "whole"), shard, 3, 5)
@@ -238,5 +294,9 @@ def test_a_zero_run_resumed_at_the_same_world_size_ends_bit_for_bit(pools, tmp_p
     if shard == "optimizer":  # make.py's format 1 checkpoint, resumed, ends there too
         shutil.copytree(FORMAT1 / "zero", tmp_path / "format1")
         old = pools(2).run(run_make_job, str(tmp_path / "format1"), shard, None, 5)
-        assert old[0][0] == 3
-        assert all(torch.equal(old[0][1][k], v) for k, v in whole[0][1].items())
+        # Its steps 1-3 ran on another CPU: the reference continues its state here.
+        by_hand = pools(2).run(run_format1_zero_continued_by_hand, 5)[0]
+        assert old[0][0] == 3 and old[0][1].keys() == by_hand.keys()
+        assert all(torch.equal(old[0][1][k], v) for k, v in by_hand.items())
+        short = pools(2).run(run_format1_zero_continued_by_hand, 4)[0]
+        assert any(not torch.equal(old[0][1][k], v) for k, v in short.items())

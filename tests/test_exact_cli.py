@@ -103,14 +103,16 @@ def test_sigterm_at_two_ranks_then_resume_at_three_ends_with_one_process_bits(re
     _assert_test_metrics_equal(run, reference)
     _assert_same_samples_every_step(run, reference)
 
-    # The slice count is part of the run: a resume with another one is refused.
-    code, text = _finish(_start("--resume", str(run), "--slices", "6", env=_env()))
-    assert code == 2
-    lines = [line for line in text.splitlines() if line.strip()]
-    assert lines == [f"ddpkit train: error: --resume {run}: its checkpoint "
-                     "step_000000008 was written with other settings "
-                     "(train.slices: 12 -> 6); leave those options out to resume, "
-                     "or start a new run"], text
+    # The slice count and the precision are part of the run: a resume that changes
+    # either (each changes every step's bits) is refused.
+    for option, value, change in (("--slices", "6", "train.slices: 12 -> 6"),
+                                  ("--precision", "bf16", "train.precision: 'fp32' -> 'bf16'")):
+        code, text = _finish(_start("--resume", str(run), option, value, env=_env()))
+        assert code == 2
+        lines = [line for line in text.splitlines() if line.strip()]
+        assert lines == [f"ddpkit train: error: --resume {run}: its checkpoint "
+                         f"step_000000008 was written with other settings ({change}); "
+                         "leave those options out to resume, or start a new run"], text
 
 
 def test_exact_mode_on_a_world_size_its_slices_do_not_serve_is_one_line():

@@ -11,6 +11,8 @@ A checkpoint of another model is one line naming what differs.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -129,3 +131,89 @@ def test_init_from_a_directory_that_is_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match=r"no \.metadata there, so not a torch"):
         run.__enter__()
     assert not list((tmp_path / "run2" / "checkpoints").glob("step_*"))  # nothing trained
+
+
+# ------------------------------------------------------------------ through the CLI
+INIT_JOB = ["--data", "synthetic", "--synthetic-size", "256", "--batch-size", "32",
+            "--epochs", "2", "--hidden", "32", "--threads", "1", "--no-progress",
+            "--nproc-per-node", "2"]
+
+
+@pytest.mark.e2e
+def test_a_rerun_of_an_init_from_command_after_a_preemption_continues_its_own_run(tmp_path):
+    """A scheduler reruns the same ``--init-from`` command line after a preemption: the
+    run continues from its own checkpoint, never from the init weights again. Between
+    the two, the init directory is replaced by another run's weights, so a rerun that
+    took them again would end elsewhere than the uninterrupted run."""
+    import signal
+
+    from ddpkit.fault import EXIT_PREEMPTED
+    from test_train_fault import (
+        _assert_same_params,
+        _env,
+        _final_params,
+        _finish,
+        _start,
+        _wait_for,
+    )
+
+    init, other = tmp_path / "init", tmp_path / "other"
+    for run, seed in ((init, "1"), (other, "2")):
+        code, text = _finish(_start(*INIT_JOB, "--epochs", "1", "--seed", seed,
+                                    "--run-dir", str(run), env=_env()))
+        assert code == 0, text[-3000:]
+    command = [*INIT_JOB, "--init-from", str(init), "--checkpoint-every-steps", "4"]
+    whole = tmp_path / "whole"
+    code, text = _finish(_start(*command, "--run-dir", str(whole), env=_env()))
+    assert code == 0, text[-3000:]
+
+    run = tmp_path / "run"
+    proc = _start(*command, "--run-dir", str(run), env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:120"))
+    _wait_for("checkpoints/step_000000004/manifest.json", proc, run)
+    proc.send_signal(signal.SIGTERM)
+    code, text = _finish(proc, timeout=120)
+    assert code == EXIT_PREEMPTED, text[-3000:]
+
+    shutil.rmtree(init)
+    shutil.copytree(other, init)  # other weights under the same --init-from path
+    code, text = _finish(_start(*command, "--run-dir", str(run), env=_env()))
+    assert code == 0, text[-3000:]
+    assert f"--run-dir {run} holds this run, stopped at step 5: continuing it" in text, text
+    assert "resumed at step 5" in text, text[-3000:]
+    _assert_same_params(run, whole)
+    # The comparison can fail: the same command from the replaced weights ends elsewhere.
+    fresh = tmp_path / "fresh"
+    code, text = _finish(_start(*command, "--run-dir", str(fresh), env=_env()))
+    assert code == 0, text[-3000:]
+    ends, other_end = _final_params(whole), _final_params(fresh)
+    assert any(not torch.equal(ends[k], other_end[k]) for k in ends)
+
+
+@pytest.mark.parametrize("layout", ["torchtitan", "app"])
+def test_a_checkpoint_under_other_top_level_names_is_found(tmp_path, layout):
+    """torchtitan's step folder (``model.``, ``optimizer.``) and a program that nests
+    both under an application key (``app.model.``, ``app.optim.``): the names are found
+    by matching the model's parameters, in one process."""
+    import ddpkit
+
+    torch.manual_seed(3)
+    source = _small()
+    opt = torch.optim.AdamW(source.parameters(), lr=0.01)
+    F.cross_entropy(source(torch.randn(4, 64)), torch.tensor([0, 1, 2, 3])).backward()
+    opt.step()
+    model_sd, optim_sd = get_state_dict(source, opt)
+    state = ({"model": model_sd, "optimizer": optim_sd} if layout == "torchtitan"
+             else {"app": {"model": model_sd, "optim": optim_sd}})
+    directory = tmp_path / ("checkpoint/step-1000" if layout == "torchtitan" else "app")
+    dcp.save(state, checkpoint_id=str(directory), no_dist=True)
+
+    torch.manual_seed(99)  # other weights than the checkpoint's
+    model = _small()
+    mine = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with ddpkit.Run(tmp_path / "run", model=model, optimizer=mine, init_from=directory) as run:
+        prefixes = run.initialized_from
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items())
+    moments = [s["exp_avg"] for s in mine.state_dict()["state"].values()]
+    assert moments and all(torch.equal(a, opt.state_dict()["state"][i]["exp_avg"])
+                           for i, a in enumerate(moments))
+    assert prefixes["optimizer"] == ("optimizer." if layout == "torchtitan" else "app.optim.")

@@ -124,6 +124,47 @@ def test_a_module_off_the_cpu_keeps_torchs_engine(monkeypatch):
     assert isinstance(cpu_model_ids, TorchClass)
 
 
+class _Subclass(torch_swap.DistributedDataParallel):
+    """A framework's or a user's subclass of torch's name (Lightning has one)."""
+
+    def __init__(self, module, **kwargs):
+        super().__init__(module, **kwargs)
+        self.tag = "own __init__ ran"
+
+    def own_method(self) -> str:
+        return f"own method over {type(self).__mro__[2].__module__}"
+
+
+def run_subclass_off_the_cpu(world, off_cpu: bool):
+    """``_Subclass`` built where the device check says the module is off the CPU (faked:
+    the check is the only part a CPU machine cannot reach), and trained four steps."""
+    real = torch_swap._on_cpu
+    if off_cpu:
+        torch_swap._on_cpu = lambda module, device_ids: False
+    try:
+        model = _Subclass(_net())
+    finally:
+        torch_swap._on_cpu = real
+    engines = [k for k in type(model).__mro__ if k in (DataParallel, TORCH_DDP)]
+    final = _train(model, world.rank)
+    return {"engines": engines, "subclass": isinstance(model, _Subclass),
+            "torch_name": isinstance(model, torch.nn.parallel.DistributedDataParallel),
+            "tag": model.tag, "method": model.own_method(), "final": final}
+
+
+def test_a_subclass_off_the_cpu_gets_torchs_engine_like_the_class(pools):
+    on_cpu, off_cpu = (pools(2).run(run_subclass_off_the_cpu, off) for off in (False, True))
+    for rank in range(2):
+        assert on_cpu[rank]["engines"] == [DataParallel, TORCH_DDP]  # ddpkit's engine first
+        out = off_cpu[rank]
+        assert out["engines"] == [TORCH_DDP], out["engines"]  # torch's alone
+        assert out["subclass"] and out["torch_name"]
+        assert out["tag"] == "own __init__ ran"
+        assert out["method"] == "own method over torch.nn.parallel.distributed"
+        # torch's engine averaged the gradients: the ranks (different data) agree
+        assert all(torch.equal(a, b) for a, b in zip(out["final"], off_cpu[0]["final"]))
+
+
 def run_routed_collectives(world):
     r = world.rank
     torch_route.route()

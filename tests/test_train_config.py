@@ -221,3 +221,68 @@ def test_settings_saved_under_the_old_name_of_slices_still_load(tmp_path):
 
     assert saved_slice_count({"virtual_shards": 8, "step": 3, "seed": 1}) == 8
     assert saved_slice_count({"slices": 4, "step": 3, "seed": 1}) == 4
+
+
+EXACT_RUN = {"exact": True, "batch_size": 96, "data": "synthetic", "optimizer": "adamw",
+             "lr": 0.01, "lr_schedule": "cosine", "epochs": 2}
+# What an exact run's bits depend on, one change of each (flag destination, new value,
+# the field the refusal names, its old and new value as the line shows them).
+EXACT_BITS = [
+    ("precision", "bf16", "train.precision", "'fp32'", "'bf16'"),
+    ("slices", 6, "train.slices", "12", "6"),
+    ("threads", 2, "train.threads", "1", "2"),
+    ("seed", 7, "train.seed", "1234", "7"),
+    ("batch_size", 48, "train.batch_size", "96", "48"),
+    ("epochs", 3, "train.epochs", "2", "3"),  # a cosine schedule runs to the last step
+    ("optimizer", "sgd", "optim.name", "'adamw'", "'sgd'"),
+    ("lr", 0.02, "optim.lr", "0.01", "0.02"),
+    ("weight_decay", 0.1, "optim.weight_decay", "0.0", "0.1"),
+    ("momentum", 0.5, "optim.momentum", "0.9", "0.5"),
+    ("lr_schedule", "constant", "optim.lr_schedule", "'cosine'", "'constant'"),
+    ("warmup_steps", 3, "optim.warmup_steps", "0", "3"),
+    ("clip_grad_norm", 1.0, "optim.clip_grad_norm", "None", "1.0"),
+    ("hidden", [64], "model.hidden", "[128]", "[64]"),
+    ("model", "net", "model.name", "'mlp'", "'net'"),
+    ("synthetic_size", 512, "data.synthetic_size", "8192", "512"),
+    ("data", "digits", "data.name", "'synthetic'", "'digits'"),
+]
+
+
+@pytest.mark.parametrize(("dest", "value", "field", "old", "new"), EXACT_BITS,
+                         ids=[case[0] for case in EXACT_BITS])
+def test_an_exact_resume_that_changes_what_its_bits_depend_on_is_refused(
+        dest, value, field, old, new):
+    import json
+
+    from ddpkit.checkpoint import CheckpointError
+    from ddpkit.train.resume import refuse_changed_config
+
+    saved = json.dumps(resolve(EXACT_RUN).identity())
+    refuse_changed_config(saved, resolve(EXACT_RUN), "step_000000004")  # the same: resumes
+    changed = resolve({**EXACT_RUN, dest: value})
+    with pytest.raises(CheckpointError) as err:
+        refuse_changed_config(saved, changed, "step_000000004")
+    line = str(err.value)
+    assert line.startswith("step_000000004 was written with other settings (")
+    assert line.endswith("); leave those options out to resume, or start a new run")
+    listed = line[line.index("(") + 1:line.rindex("); leave")].split("; ")
+    assert f"{field}: {old} -> {new}" in listed, listed
+    assert "\n" not in line
+
+
+def test_what_an_exact_resume_may_change_and_checkpoints_from_before_precision_counted():
+    import json
+
+    from ddpkit.train.resume import refuse_changed_config
+
+    saved = resolve(EXACT_RUN).identity()
+    for dest, value in (("out_dir", "elsewhere"), ("log_sample_ids", True),
+                        ("checkpoint_every_steps", 3), ("keep", 1)):
+        refuse_changed_config(json.dumps(saved), resolve({**EXACT_RUN, dest: value}), "c")
+    constant = {**EXACT_RUN, "lr_schedule": "constant"}  # more epochs: the same steps first
+    refuse_changed_config(resolve(constant).identity(), resolve({**constant, "epochs": 5}), "c")
+    # Written before the precision and the epochs were part of an exact run's identity:
+    # nothing to compare them with (not refused for lack of the key).
+    for key in ("precision", "epochs"):
+        del saved["train"][key]
+    refuse_changed_config(json.dumps(saved), resolve({**EXACT_RUN, "epochs": 3}), "c")

@@ -35,6 +35,7 @@ from chaos_harness import (
     marked,
     seconds_until_gone,
     small_filesystem,
+    small_filesystem_or_skip,
     worker_pid,
 )
 from conftest import skip_unless_required
@@ -245,6 +246,69 @@ def test_full_disk_at_a_checkpoint_is_one_line_no_restart_and_no_debris(tmp_path
         debris = [p.name for p in run.rglob("*") if ".tmp" in p.name]
         assert debris == [] and not (run / "summary.json").exists()
         assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_000000004"]
+
+
+# The default job (digits, MLP 128: model.pt ~40 KB, each rank's DCP file ~51 KB,
+# curves.png ~56 KB; tmpfs counts whole 4 KiB pages) on a tmpfs of each size, so that the
+# first write that finds the disk full is, in turn, each writer's: (size KiB, options,
+# the file the error must name, what it must say to do, {run} the run directory).
+RESUME = "free some space there, then continue the run: ddpkit train --resume {run}"
+REMOVE = ("free some space there, remove {run} (it holds no checkpoint to continue from) "
+          "and start the run again")
+AGAIN = "free some space there and start the run again"
+WRITERS = {
+    # the lock file takes the one page; the trainer is not built yet
+    "probe": (4, [], r"checkpoints", "free some space there and run the same command again"),
+    "config": (4, ["--no-checkpoints"], r"config\.json", AGAIN),
+    "run-log": (8, [], r"(train\.log|metrics\.jsonl)", REMOVE),
+    "sample-ids": (16, ["--log-sample-ids"], r"sample_ids/rank[01]\.jsonl", REMOVE),
+    "dcp-parts": (64, [], r"checkpoints/step_000000012", REMOVE),
+    "dcp-parts-later": (200, [], r"checkpoints/step_000000024", RESUME),  # after step 12's
+    "model": (40, ["--no-checkpoints"], r"model\.pt", AGAIN),
+    "curves": (80, ["--no-checkpoints"], r"(summary\.json|curves\.png)", AGAIN),
+}
+DEFAULT_JOB = ["--nproc-per-node", "2", "--epochs", "2", "--threads", "1", "--no-progress"]
+
+
+def _debris(root: Path) -> list[str]:
+    """What a failed write must not leave: temporaries, checkpoint directories without
+    their manifest, files cut short (a JSON file or a log line that does not parse)."""
+    left = []
+    for path in root.rglob("*"):
+        unfinished = path.is_dir() and path.name.startswith("step_") and not (
+            path / "manifest.json").exists()
+        if ".tmp" in path.name or unfinished:
+            left.append(str(path))
+        elif path.suffix == ".json":
+            try:
+                json.loads(path.read_text())
+            except ValueError:
+                left.append(str(path))
+        elif path.suffix == ".jsonl" and not path.read_text().endswith("\n"):
+            left.append(str(path))  # half a line (an empty log is never created)
+    return left
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_a_full_disk_in_any_writer_is_one_line_and_final(writer):
+    size_kib, options, named, advice = WRITERS[writer]
+    with small_filesystem_or_skip(size_kib) as disk:
+        out = disk / "out"
+        code, text = _finish(_start(*DEFAULT_JOB, *options, "--out-dir", str(out),
+                                    "--max-restarts", "2", env=_env()))
+        assert code == EXIT_DISK_FULL, text[-3000:]
+        errors = [line for line in text.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1, text[-3000:]
+        assert re.search(rf"ddpkit train: error: no space left on device (to write|writing "
+                         rf"in) {out}/[^ ]+/{named}\b.*[\d,]+ bytes( \([\d.]+ MiB\))? free "
+                         rf"there", errors[0]), errors[0]
+        (run,) = out.iterdir()
+        assert errors[0].endswith(advice.format(run=run)), errors[0]
+        assert "Traceback" not in text and not FRAME_DUMP.search(text)
+        assert text.count("run directory:") <= 1  # --max-restarts 2 did not restart into it
+        assert "restart" not in text.lower(), text[-3000:]
+        assert _debris(disk) == []
 
 
 @pytest.mark.chaos

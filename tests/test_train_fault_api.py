@@ -137,3 +137,33 @@ def test_sample_log_truncation_drops_replayed_steps_and_torn_lines(tmp_path):
     records = read_sample_logs(tmp_path)
     assert [(r["step"], r["rank"], r["ids"]) for r in records] == [
         (s, r, [10 * s + r]) for s in (1, 2, 3) for r in (0, 1)]
+
+
+def run_sample_log_on_a_full_disk(world, full_dir, roomy_dir):
+    """Rank 1 logs into ``full_dir`` (a filesystem with no space left), rank 0 into
+    ``roomy_dir``: what each rank raises, and what each file holds after."""
+    from ddpkit.files.durable import DiskFullError
+
+    log = SampleLog(full_dir if world.rank == 1 else roomy_dir, world.rank)
+    try:
+        log.write_agreed(1, 0, [world.rank], world.world_size, torch.device("cpu"))
+        raised = None
+    except DiskFullError as err:
+        raised = str(err)
+    text = log.path.read_text() if log.path.exists() else None
+    return raised, text
+
+
+def test_a_full_disk_under_one_ranks_sample_log_ends_every_rank_alike(pools, tmp_path):
+    from chaos_harness import fill, small_filesystem_or_skip
+
+    with small_filesystem_or_skip(64) as full:
+        (full / "sample_ids").mkdir()
+        fill(full)
+        results = pools(2).run(run_sample_log_on_a_full_disk, str(full), str(tmp_path))
+    (raised0, text0), (raised1, text1) = results
+    assert raised0 == raised1 and raised0 is not None  # the same line on both ranks
+    assert raised0.startswith(f"no space left on device to write {full}/sample_ids/rank1.jsonl: "
+                              "it needs ")
+    assert text1 is None  # rank 1's log never half-written, not even created empty
+    assert text0 == '{"step": 1, "epoch": 0, "rank": 0, "ids": [0]}\n'  # rank 0 wrote its line

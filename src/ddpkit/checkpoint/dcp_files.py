@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from ddpkit.files.durable import is_disk_full
+from ddpkit.files.durable import DiskFullError, failed_for_space, free_bytes, is_disk_full
 
 METADATA = ".metadata"  # DCP's name for the file it writes last
 DATA_SUFFIX = ".distcp"
@@ -93,11 +93,18 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with open(path, mode) as f:  # noqa: PTH123 - DCP hands str or Path
-            stream = _HashingStream(f)
-            yield stream
-            with self._lock:
-                self.written[Path(path).name] = (stream.size, stream.sha.hexdigest())
+        try:
+            with open(path, mode) as f:  # noqa: PTH123 - DCP hands str or Path
+                stream = _HashingStream(f)
+                yield stream
+        except Exception as err:
+            # Named here, on the rank that wrote: DCP sends each rank's failure to every
+            # rank pickled, and pickling drops the ENOSPC a short write was raised from.
+            if failed_for_space(err, Path(path).parent):
+                raise DiskFullError(path, None, free_bytes(Path(path).parent)) from err
+            raise
+        with self._lock:
+            self.written[Path(path).name] = (stream.size, stream.sha.hexdigest())
 
 
 def hashing_writer(directory: Path) -> tuple[FileSystemWriter, dict[str, tuple[int, str]]]:

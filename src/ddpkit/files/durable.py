@@ -29,6 +29,11 @@ from ddpkit.errors import DdpkitError
 
 TMP_MARK = ".tmp-"  # temporaries are ".<name>.tmp-<pid>": hidden, one per writing process
 _FULL = (errno.ENOSPC, errno.EDQUOT)
+# A write that failed where less than this is free is taken for a full disk even when
+# its errno was lost: some layers report a short write in their own words (torch's zip
+# writer raises a RuntimeError), and an exception that crossed processes (DCP gathers
+# every rank's failure to all) has lost the OSError it was raised from.
+NEARLY_FULL = 1 << 20
 
 
 class DiskFullError(DdpkitError):
@@ -67,6 +72,19 @@ def is_disk_full(err: BaseException | None) -> bool:
             return True
         err, seen = err.__cause__ or err.__context__, seen + 1
     return False
+
+
+def failed_for_space(err: BaseException, where: str | os.PathLike) -> bool:
+    """Whether a write into ``where`` that raised ``err`` failed for lack of space: a
+    full disk in ``err``'s chain, or an I/O error of any wording (``OSError``, or the
+    ``RuntimeError`` of a C++ writer) where next to nothing is free. Other errors (an
+    object that cannot be pickled, say) stay what they are, however full the disk."""
+    if is_disk_full(err):
+        return True
+    if not isinstance(err, (OSError, RuntimeError)):
+        return False
+    free = free_bytes(where)
+    return free is not None and free < NEARLY_FULL
 
 
 def free_bytes(path: str | os.PathLike) -> int | None:
@@ -138,7 +156,7 @@ def atomic_file(path: str | os.PathLike,
         written = tmp.stat().st_size if tmp.exists() else 0
         with contextlib.suppress(OSError):
             tmp.unlink()
-        if is_disk_full(err):
+        if isinstance(err, Exception) and failed_for_space(err, path.parent):
             needed = size() if size is not None else written
             raise DiskFullError(path, needed, free_bytes(path.parent)) from None
         raise
@@ -152,10 +170,11 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
 
 
 def append_line(path: str | os.PathLike, line: str) -> None:
-    """Append one line to a log; on a full disk the file is cut back to its old end, so
-    readers never meet half a line."""
+    """Append one line to a log; on a full disk the file is cut back to its old end (or
+    removed, when this line was to create it), so readers never meet half a line."""
     path = Path(path)
     raw = (line if line.endswith("\n") else line + "\n").encode()
+    existed = path.exists()
     # Unbuffered: a write that fails leaves nothing queued for close() to retry.
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -165,10 +184,12 @@ def append_line(path: str | os.PathLike, line: str) -> None:
             while view:
                 view = view[os.write(fd, view):]
         except OSError as err:
-            if not is_disk_full(err):
+            if not failed_for_space(err, path.parent):
                 raise
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, start)
+                if not existed:  # an empty log is no record of anything: none at all
+                    path.unlink()
             raise DiskFullError(path, len(raw), free_bytes(path.parent)) from None
     finally:
         os.close(fd)

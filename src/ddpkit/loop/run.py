@@ -387,7 +387,9 @@ class Run(RunCheckpoints):
         self._close_step_guard()
         self.step += 1
         if self._samples is not None:
-            self._samples.write(self.step, self._last_epoch, self._pending_ids)
+            with self.guarded("sample_ids"):
+                self._samples.write_agreed(self.step, self._last_epoch, self._pending_ids,
+                                           self.world_size, self.device)
             self._pending_ids = []
         for hook in self.hooks:
             hook(self.step)

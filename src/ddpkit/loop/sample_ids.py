@@ -23,32 +23,54 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+from ddpkit.files.durable import DiskFullError, append_line, write_atomic
 
 SAMPLE_DIR = "sample_ids"
 
 
 class SampleLog:
-    """One rank's append-only log; a line is flushed to the OS as soon as it is written,
-    so a process killed later cannot take it along."""
+    """One rank's append-only log; a line reaches the OS as soon as it is written, so a
+    process killed later cannot take it along, and a full disk leaves no half line
+    (:func:`ddpkit.files.durable.append_line`)."""
 
     def __init__(self, run_dir: str | os.PathLike, rank: int):
         self.path = Path(run_dir) / SAMPLE_DIR / f"rank{rank}.jsonl"
         self.rank = rank
-        self._fh: IO[str] | None = None
 
     def write(self, step: int, epoch: int, ids: Iterable[int]) -> None:
-        if self._fh is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open("a")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         record = {"step": step, "epoch": epoch, "rank": self.rank, "ids": list(ids)}
-        self._fh.write(json.dumps(record) + "\n")
-        self._fh.flush()
+        append_line(self.path, json.dumps(record))
 
     def close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+        pass  # every line is written whole, file closed, as it comes
+
+    def write_agreed(self, step: int, epoch: int, ids: Iterable[int], world_size: int,
+                     device: Any) -> None:
+        """Collective: :meth:`write` on every rank; a full disk on any rank raises its
+        :class:`~ddpkit.files.durable.DiskFullError` on every rank, so that all end alike on
+        one line, instead of the others failing on a peer that left. A one-integer
+        all-reduce per step (only when the ids are logged); the error itself crosses
+        only when there is one."""
+        import torch
+        import torch.distributed as dist
+
+        failure: DiskFullError | None = None
+        try:
+            self.write(step, epoch, ids)
+        except DiskFullError as err:
+            failure = err
+        if dist.is_available() and dist.is_initialized() and world_size > 1:
+            flag = torch.tensor([int(failure is not None)], dtype=torch.int32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():
+                told: list[DiskFullError | None] = [None] * world_size
+                dist.all_gather_object(told, failure)
+                failure = next(f for f in told if f is not None)
+        if failure is not None:
+            raise failure
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -70,9 +92,7 @@ def truncate_sample_logs(run_dir: str | os.PathLike, step: int) -> None:
         return
     for path in sorted(directory.glob("rank*.jsonl")):
         kept = [r for r in _records(path) if r["step"] <= step]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 def read_sample_logs(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -367,13 +367,17 @@ class Config:
         """The settings a checkpoint must agree with to be resumed under this config:
         what shapes the model, the optimizer state and the data order. Epochs, output,
         engine, threads, checkpoint and timeout settings may change on resume; in
-        exact mode the slice count and the thread count may not (either changes the
-        bits)."""
+        exact mode neither may the slice count, the thread count, the precision, nor
+        (with a learning-rate schedule that runs to the last step) the epochs: each
+        changes the bits, which exact mode promises to keep."""
         d, t = self.data, self.train
         train: dict[str, Any] = {"seed": t.seed, "batch_size": t.batch_size,
                                  "grad_accum": t.grad_accum}
         if t.exact:
-            train.update(exact=True, slices=self.slice_count(), threads=t.thread_count(1))
+            train.update(exact=True, slices=self.slice_count(), threads=t.thread_count(1),
+                         precision=t.precision)
+            if self.optim.lr_schedule != "constant":
+                train["epochs"] = t.epochs
         return {
             "data": {"name": d.name, "synthetic_size": d.synthetic_size,
                      "drop_last": d.drop_last},

@@ -25,6 +25,9 @@ if TYPE_CHECKING:  # ddpkit.checkpoint imports torch: the launcher needs it only
     from ddpkit.checkpoint import Checkpointer, CheckpointInfo
 
 LATEST = ""  # `--resume` given without a directory: the newest run under --out-dir
+# Settings that joined a run's identity (Config.identity) after checkpoints were
+# written without them.
+IDENTITY_ADDED = (("train", "precision"), ("train", "epochs"))
 
 
 def _checkpoints(run_dir: Path) -> Checkpointer:
@@ -130,7 +133,12 @@ def refuse_changed_config(saved: Any, cfg: Config, source: str) -> None:
 
     if isinstance(saved, str):
         saved = json.loads(saved)
-    changes = config_changes(with_current_keys(saved), cfg.identity())
+    saved, current = with_current_keys(saved), cfg.identity()
+    for section, key in IDENTITY_ADDED:
+        # a checkpoint from before the key was part of a run's identity: not compared
+        if key not in saved.get(section, {}) and key in current.get(section, {}):
+            current[section] = {k: v for k, v in current[section].items() if k != key}
+    changes = config_changes(saved, current)
     if changes:
         raise CheckpointError(
             f"{source} was written with other settings ({'; '.join(changes)}); "

@@ -50,8 +50,12 @@ def disk_full(trainer: Trainer, err: BaseException) -> DiskFullError:
         where = Path(getattr(err, "filename", None) or trainer.run_dir or ".")
         err = DiskFullError(where, None, free_bytes(where))
     if trainer.checkpointer is not None and trainer.write:
-        return err.with_advice(f"free some space there, then continue the run: "
-                               f"ddpkit train --resume {trainer.run_dir}")
+        if trainer.checkpointer.checkpoints():
+            return err.with_advice(f"free some space there, then continue the run: "
+                                   f"ddpkit train --resume {trainer.run_dir}")
+        # --resume (or --run-dir, the same command again) refuses a run without one
+        return err.with_advice(f"free some space there, remove {trainer.run_dir} (it holds "
+                               f"no checkpoint to continue from) and start the run again")
     return err.with_advice("free some space there and start the run again")
 
 

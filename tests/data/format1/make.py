@@ -5,16 +5,16 @@
 
 Two tiny runs (``Run`` over a 2-layer MLP, AdamW, 64 samples, global batch 8): ``plain``
 at one process, ``zero`` at two with ``shard="optimizer"``. Each saves at step 3 and
-goes on to step 5; ``expected.pt`` holds the parameters after step 5 (a resume of
-``plain`` from step 3 must reach them bit for bit; ``zero``'s resume is checked against
-its step-3 files). Kept by the tests for good: the checkpoints must go on resuming.
+goes on to step 5; ``expected.pt`` holds the parameters after step 5 there. Kept by
+the tests for good: the checkpoints must go on resuming.
 
-``zero/expected.pt`` is *not* the ZeRO run's step-5 weights: ``run_job`` read
-``unwrap(wrapped).state_dict()`` right after ``opt.step()``, before any gather, so rank 0
-saved its own chunks at step 5 and rank 1's chunks (all of ``0.weight``, ``0.bias[2:]``)
-at step 4. That read now raises UsageError (call ``wrapped.state_dict()`` or
-``gather_parameters()`` first); the tests check ``zero``'s resume against a fresh
-uninterrupted run instead.
+The tests compare with neither ``expected.pt``: they hold float bits of the CPU that made
+them (another CPU's kernels round a few last bits differently). A resume is checked
+against the checkpoint's own state continued on the machine running the tests, read from
+its files by hand (tests/test_checkpoint_dcp.py). ``zero/expected.pt`` is not even the
+ZeRO run's step-5 weights: ``run_job`` read ``unwrap(wrapped).state_dict()`` right after
+``opt.step()``, before any gather, so it mixes rank 0's step-5 chunks with rank 1's
+step-4 ones (that read now raises UsageError).
 """
 
 from __future__ import annotations

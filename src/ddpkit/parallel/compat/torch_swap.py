@@ -96,15 +96,40 @@ def _on_cpu(module: nn.Module, device_ids: Any) -> bool:
                                      if not isinstance(d, int))
 
 
+class _TorchEngineTwin(_LikeTorchs):
+    """The metaclass of a subclass's twin: its method order is the subclass's without
+    ddpkit's engine classes, so the subclass's own methods (and their ``super()``) run
+    over torch's engine."""
+
+    def mro(cls) -> list[type]:
+        ours = set(DistributedDataParallel.__mro__) - set(TORCH_DDP.__mro__)
+        return [cls, *(k for k in cls.__bases__[0].__mro__ if k not in ours)]
+
+
+_twins: dict[type, type] = {}
+
+
+def _torch_engine_twin(cls: type) -> type:
+    """A subclass of ``cls`` that is torch's engine underneath (made once per class)."""
+    if cls not in _twins:
+        _twins[cls] = _TorchEngineTwin(cls.__name__, (cls,), {"__module__": cls.__module__,
+                                                              "__qualname__": cls.__qualname__})
+    return _twins[cls]
+
+
 class DistributedDataParallel(DataParallel, _ModuleFirst, TORCH_DDP, metaclass=_LikeTorchs):
     """ddpkit's DataParallel under torch's name (see the module docstring)."""
 
     def __new__(cls, module: nn.Module | None = None, *args: Any, **kwargs: Any):
-        if module is not None and cls is DistributedDataParallel:
+        if module is not None and not isinstance(cls, _TorchEngineTwin):
             device_ids = args[0] if args else kwargs.get("device_ids")
             if not _on_cpu(module, device_ids):
-                # not measured on accelerators yet: torch's engine there
-                return TORCH_DDP(module, *args, **kwargs)
+                # not measured on accelerators yet: torch's engine there, for a
+                # subclass (a framework's, a user's) as for the class itself
+                if cls is DistributedDataParallel:
+                    return TORCH_DDP(module, *args, **kwargs)
+                # an instance of cls: Python then runs its __init__ over torch's
+                return object.__new__(_torch_engine_twin(cls))
         return super().__new__(cls)
 
 
