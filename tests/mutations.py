@@ -112,6 +112,13 @@ MUTATIONS = (
         "shard.grad = _part(chunk_grads[k], piece)",
         ("tests/test_zero3.py", "-k", "unused"),
     ),
+    Mutation(
+        "exact-gather-adds-rank-by-rank",
+        "ddpkit/parallel/exact/exact_gather.py",
+        "self._rows64_in = self._rows64.view(nodes, world, n)",
+        "self._rows64_in = self._rows64.view(world, nodes, n).transpose(0, 1)",
+        ("tests/test_exact_order.py", "-k", "gather and backend"),
+    ),
 )
 
 
