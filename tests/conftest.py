@@ -72,6 +72,7 @@ LAYERS = {
     "test_ddp_comm.py": MULTIPROCESS,
     "test_ddp_steady_state.py": MULTIPROCESS,
     "test_exact.py": MULTIPROCESS,
+    "test_exact_batchnorm.py": MULTIPROCESS,
     "test_exact_order.py": MULTIPROCESS,
     "test_fault.py": MULTIPROCESS,
     "test_lifetime.py": MULTIPROCESS,

@@ -403,8 +403,9 @@ def _refusals(world):
 
     x, y = torch.randn(12, 12), torch.randint(0, 4, (12,))
     out = {}
-    out["batchnorm"] = message(lambda: ddpkit.DataParallel(
-        nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8)), exact=True, slices=12))
+    out["running_stats"] = message(lambda: ddpkit.DataParallel(
+        nn.Sequential(nn.Linear(12, 8), nn.InstanceNorm1d(8, track_running_stats=True)),
+        exact=True, slices=12))
     model = ddpkit.DataParallel(_DropoutNet(), exact=True, slices=12)
     out["outside"] = message(lambda: F.cross_entropy(model(x), y).backward())
 
@@ -447,7 +448,7 @@ def _refusals(world):
 def test_misuse_of_exact_mode_is_one_line_each(pools):
     out = pools(1).run(_restoring, _refusals)[0]
     expected = {
-        "batchnorm": "exact mode: BatchNorm1d '1' updates running statistics",
+        "running_stats": "exact mode: InstanceNorm1d '1' updates running statistics",
         "outside": "exact mode: run each training forward/backward inside the slice loop",
         "no_sync": "exact mode has no no_sync()",
         "scalar": "model.slices(...) takes this rank's batch tensors (samples along dim 0)",
