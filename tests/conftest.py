@@ -76,6 +76,8 @@ LAYERS = {
     "test_ddp_comm.py": MULTIPROCESS,
     "test_ddp_steady_state.py": MULTIPROCESS,
     "test_exact.py": MULTIPROCESS,
+    "test_exact_batchnorm.py": MULTIPROCESS,
+    "test_exact_order.py": MULTIPROCESS,
     "test_fault.py": MULTIPROCESS,
     "test_lifetime.py": MULTIPROCESS,
     "test_loop_rank0.py": MULTIPROCESS,

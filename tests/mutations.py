@@ -112,6 +112,27 @@ MUTATIONS = (
         "shard.grad = _part(chunk_grads[k], piece)",
         ("tests/test_zero3.py", "-k", "unused"),
     ),
+    Mutation(
+        "exact-gather-adds-rank-by-rank",
+        "ddpkit/parallel/exact/exact_gather.py",
+        "self._rows64_in = self._rows64.view(nodes, world, n)",
+        "self._rows64_in = self._rows64.view(world, nodes, n).transpose(0, 1)",
+        ("tests/test_exact_order.py", "-k", "gather and backend"),
+    ),
+    Mutation(
+        "exact-batchnorm-updates-running-statistics-per-slice",
+        "ddpkit/parallel/exact/running_stats.py",
+        "            module.track_running_stats = False  # normalize with the slice's",
+        "            module.track_running_stats = True  # normalize with the slice's",
+        ("tests/test_exact_batchnorm.py",),
+    ),
+    Mutation(
+        "exact-batchnorm-folds-slices-rank-by-rank",
+        "ddpkit/parallel/exact/running_stats.py",
+        "rows = gathered.view(world, local, self.width).transpose(0, 1).reshape(",
+        "rows = gathered.view(world, local, self.width).reshape(",
+        ("tests/test_exact_batchnorm.py",),
+    ),
 )
 
 

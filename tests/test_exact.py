@@ -108,8 +108,13 @@ class _DropoutNet(nn.Module):
         return self.fc2(self.drop(torch.relu(self.fc1(x))))
 
 
-def _users_loop(world, exact: bool, steps: int = 6, comm: str = "auto"):
-    """An ordinary torch loop with AdamW and dropout; exact mode changes two lines."""
+def _users_loop(world, exact: bool, steps: int = 6, comm: str = "auto",
+                precision: str = "fp32"):
+    """An ordinary torch loop with AdamW and dropout; exact mode changes two lines.
+    ``precision``: "bf16-autocast" (forward under CPU autocast to bfloat16) or
+    "bf16-params" (the model's parameters in bfloat16), else float32."""
+    import contextlib
+
     import ddpkit
     from ddpkit.data import ShardSampler
 
@@ -117,7 +122,15 @@ def _users_loop(world, exact: bool, steps: int = 6, comm: str = "auto"):
     g = torch.Generator().manual_seed(1)
     x_all, y_all = torch.randn(200, 12, generator=g), torch.randint(0, 4, (200,), generator=g)
     options = {"exact": True, "slices": 12, "comm": comm} if exact else {}
-    model = ddpkit.DataParallel(_DropoutNet(), **options)
+    net = _DropoutNet()
+    if precision == "bf16-params":
+        net, x_all = net.to(torch.bfloat16), x_all.to(torch.bfloat16)
+    model = ddpkit.DataParallel(net, **options)
+
+    def autocast():
+        if precision == "bf16-autocast":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler = ShardSampler(x_all, global_batch_size=48, slices=12 if exact else None)
     done = 0
@@ -127,7 +140,9 @@ def _users_loop(world, exact: bool, steps: int = 6, comm: str = "auto"):
             opt.zero_grad()
             if exact:
                 for xs, ys in model.slices(x, y):
-                    F.cross_entropy(model(xs), ys).backward()
+                    with autocast():
+                        out = model(xs)
+                    F.cross_entropy(out.float(), ys).backward()
             else:
                 F.cross_entropy(model(x), y).backward()
             opt.step()
@@ -147,6 +162,20 @@ def test_users_loop_with_dropout_ends_with_the_same_bits_at_every_world_size(poo
     if world == 2:  # without exact mode the ranks draw their own masks: other weights
         (plain_one,) = pools(1).run(_restoring, _users_loop, False)
         assert not _same(pools(2).run(_restoring, _users_loop, False)[0], plain_one)
+
+
+@pytest.mark.parametrize("precision", ["bf16-autocast", "bf16-params"])
+def test_bfloat16_ends_with_the_same_bits_at_every_world_size(pools, precision):
+    """Autocast to bfloat16 in each slice's forward (what --precision bf16 does), and a
+    model whose parameters are bfloat16: W = 2 and 4 end with W = 1's bits, which are
+    not float32's."""
+    args = (_restoring, _users_loop, True, 6, "auto")
+    (one,) = pools(1).run(*args, precision)
+    for w in (2, 4):
+        for r in pools(w).run(*args, precision):
+            assert _same(r, one), w
+    (fp32,) = pools(1).run(*args)
+    assert not _same([t.float() for t in one], fp32)
 
 
 @pytest.mark.parametrize("sum_format", ["int32", "float64", "gather", "fold"])
@@ -374,8 +403,9 @@ def _refusals(world):
 
     x, y = torch.randn(12, 12), torch.randint(0, 4, (12,))
     out = {}
-    out["batchnorm"] = message(lambda: ddpkit.DataParallel(
-        nn.Sequential(nn.Linear(12, 8), nn.BatchNorm1d(8)), exact=True, slices=12))
+    out["running_stats"] = message(lambda: ddpkit.DataParallel(
+        nn.Sequential(nn.Linear(12, 8), nn.InstanceNorm1d(8, track_running_stats=True)),
+        exact=True, slices=12))
     model = ddpkit.DataParallel(_DropoutNet(), exact=True, slices=12)
     out["outside"] = message(lambda: F.cross_entropy(model(x), y).backward())
 
@@ -418,7 +448,7 @@ def _refusals(world):
 def test_misuse_of_exact_mode_is_one_line_each(pools):
     out = pools(1).run(_restoring, _refusals)[0]
     expected = {
-        "batchnorm": "exact mode: BatchNorm1d '1' updates running statistics",
+        "running_stats": "exact mode: InstanceNorm1d '1' updates running statistics",
         "outside": "exact mode: run each training forward/backward inside the slice loop",
         "no_sync": "exact mode has no no_sync()",
         "scalar": "model.slices(...) takes this rank's batch tensors (samples along dim 0)",

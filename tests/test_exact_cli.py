@@ -74,13 +74,17 @@ def _assert_same_samples_every_step(run: Path, reference: Path) -> None:
         assert sorted(i for s in steps for i in mine[s]) == list(range(SAMPLES))
 
 
-@pytest.fixture(scope="module")
-def reference(pools, tmp_path_factory) -> Path:
+def _one_process_run(pools, directory: Path, cfg_dict) -> Path:
     """The job uninterrupted on one pooled process, writing its run directory."""
-    run = tmp_path_factory.mktemp("reference") / "run"
-    (result,) = pools(1).run(_restoring, _trainer_params, DROPOUT, str(run))
+    run = directory / "run"
+    (result,) = pools(1).run(_restoring, _trainer_params, cfg_dict, str(run))
     assert result["step"] == EPOCHS * STEPS_PER_EPOCH
     return run
+
+
+@pytest.fixture(scope="module")
+def reference(pools, tmp_path_factory) -> Path:
+    return _one_process_run(pools, tmp_path_factory.mktemp("reference"), DROPOUT)
 
 
 def test_sigterm_at_two_ranks_then_resume_at_three_ends_with_one_process_bits(reference,
@@ -113,6 +117,30 @@ def test_sigterm_at_two_ranks_then_resume_at_three_ends_with_one_process_bits(re
         assert lines == [f"ddpkit train: error: --resume {run}: its checkpoint "
                          f"step_000000008 was written with other settings ({change}); "
                          "leave those options out to resume, or start a new run"], text
+
+
+BF16 = {**DROPOUT, "train": {**DROPOUT["train"], "precision": "bf16"}}
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(pools, tmp_path_factory) -> Path:
+    """The job with --precision bf16."""
+    return _one_process_run(pools, tmp_path_factory.mktemp("bf16"), BF16)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_at_several_processes_ends_with_one_process_bits(reference, bf16_reference,
+                                                              tmp_path, world):
+    """`ddpkit train --exact --precision bf16` (autocast in each slice's forward) on W
+    processes ends with the bits of the same job on one pooled process, which are not
+    the float32 job's."""
+    with pytest.raises(AssertionError):
+        _assert_same_params(bf16_reference, reference)
+    run = tmp_path / "run"
+    code, text = _train("--precision", "bf16", "--nproc-per-node", str(world), "--epochs",
+                        str(EPOCHS), "--run-dir", str(run))
+    assert code == 0, text[-3000:]
+    _assert_same_params(run, bf16_reference)
 
 
 def test_exact_mode_on_a_world_size_its_slices_do_not_serve_is_one_line():

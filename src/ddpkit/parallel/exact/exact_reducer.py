@@ -24,8 +24,9 @@ slices: the sum does not depend on which rank held which slice, so neither do th
 
 What exact mode refuses (one line each): comm hooks, ``no_sync()`` (accumulation is
 more slices), ``ddpkit.join`` (slices are equal by construction), layers that update
-buffers in forward (BatchNorm's running statistics: per slice they would depend on the
-slice order; a buffer changed any other way during a step is an error at its end),
+buffers in forward other than BatchNorm (whose running statistics are folded once a step
+from every slice's, :mod:`ddpkit.parallel.exact.running_stats`; a buffer changed any
+other way during a step is an error at its end),
 parameters on several devices, float64 parameters (a fixed point of at most 53 bits would round
 them more than float64 summation does).
 """
@@ -46,6 +47,11 @@ from ddpkit.parallel.engine.interfaces import CommHook
 from ddpkit.parallel.exact.exact_sum32 import FORMATS, choose_format, make_mean
 from ddpkit.parallel.exact.exact_transport import ExactTransport, agreed_settings
 from ddpkit.parallel.exact.kept_grads import KeptGradients
+from ddpkit.parallel.exact.running_stats import (
+    SliceRunningStats,
+    refuse_other_running_stats,
+    tracked_batchnorms,
+)
 from ddpkit.parallel.exact.slices import (
     caller_streams,
     owned_slices,
@@ -61,14 +67,14 @@ log = get_logger(__name__)
 EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NO_JOIN = ("exact mode does not join uneven inputs (ddpkit.join, torch's Join): every rank "
            "runs the same slices, padded to equal size")
-_RUNNING_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
 
 def check_module(module: nn.Module, named_params: Sequence[tuple[str, nn.Parameter]]) -> None:
     """What exact mode refuses about a model, in one line each, before any communication:
     parameters on several devices, dtypes its sum would round more than float
-    summation does, and layers that update running statistics in every forward (per
-    slice, they would fold them in an order that depends on the layout)."""
+    summation does, and layers other than BatchNorm that update running statistics in
+    every forward (per slice, they would fold them in an order that depends on the
+    layout)."""
     devices = sorted({str(p.device) for _, p in named_params})
     if len(devices) > 1:
         raise ConfigError(f"exact mode keeps one device's parameters; this model's are "
@@ -79,12 +85,7 @@ def check_module(module: nn.Module, named_params: Sequence[tuple[str, nn.Paramet
                 f"exact mode sums float32, bfloat16 and float16 gradients; parameter "
                 f"{n!r} is {p.dtype} (its fixed-point sum, at most 53 bits, would round float64 "
                 "more than float64 summation does)")
-    for name, m in module.named_modules():
-        if isinstance(m, _RUNNING_STATS) and getattr(m, "track_running_stats", False):
-            raise ConfigError(
-                f"exact mode: {type(m).__name__} {name or '(the model)'!r} updates running "
-                "statistics in every forward, which per slice would depend on the process "
-                "layout; use GroupNorm or LayerNorm, or track_running_stats=False")
+    refuse_other_running_stats(module, tracked_batchnorms(module))
 
 
 class ExactReducer:
@@ -126,7 +127,11 @@ class ExactReducer:
         if slices is not None:
             self.set_slice_count(slices)
         self.step = 0
-        self._buffers = list(module.named_buffers())
+        # BatchNorm's running statistics: folded once a step, from every slice's
+        self._running = (SliceRunningStats(module, lambda: self._local)
+                         if tracked_batchnorms(module) else None)
+        folded = self._running.buffer_names if self._running else set()
+        self._buffers = [(n, b) for n, b in module.named_buffers() if n not in folded]
         self._kept = KeptGradients(self.params, self.device)  # the step's terms
         self._local_slices = 0
         # in the shared segment on one host: the int32 sum's ranks each decode a share
@@ -261,6 +266,8 @@ class ExactReducer:
             self._kept.pack(local_slices, self._mean.rows_view if gather else None)
             self._local_slices = local_slices
         self._kept.begin()
+        if self._running is not None:
+            self._running.begin(local_slices, self.device)
         self._done = 0
         self._used = [False] * len(self.params)
         self._captured = [False] * local_slices
@@ -311,6 +318,8 @@ class ExactReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._running is not None:
+            self._running.remove_hooks()
 
     # -- one slice's backward ------------------------------------------------------------
 
@@ -376,11 +385,14 @@ class ExactReducer:
         # autograd's Python thread-local state (see ddpkit.runtime.lifetime). A sum on one
         # process, or one that reads its peers in place, launches none: it skips the
         # guard's cost.
-        quiet = not collectives or getattr(self._mean, "in_place", False)
+        quiet = not collectives or (getattr(self._mean, "in_place", False)
+                                    and self._running is None)
         try:
             with contextlib.nullcontext() if quiet else no_python_tls():
                 self._mean.mean(self._kept.terms, self._result, extra_max=used,
                                 **collectives)
+                if self._running is not None:
+                    self._running.update(self.rank, self.world_size, self.transport.gather_)
         finally:
             self._kept.clear()
         # (no torch.no_grad() needed: the result does not require a gradient)
