@@ -11,7 +11,8 @@ import sys
 
 from ddpkit.cli import main
 
-DEFAULTS = ["--nproc-per-node", "2", "--op", "all_reduce", "--algo", "ring,backend", "--sizes", "1K:256M"]
+DEFAULTS = ["--nproc-per-node", "2", "--op", "all_reduce", "--algo", "ring,backend",
+            "--sizes", "1K:256M"]
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "collectives", *DEFAULTS, *sys.argv[1:]]))
