@@ -192,7 +192,7 @@ def _figures(runs: list[dict]) -> list[str]:
 
 
 def section(key: str, about: str, entry: dict | None, extra: str = "") -> list[str]:
-    lines = [f"## {TITLES[key]}", "", *ANCHORS.get(key, []), about, ""]
+    lines = [f"## {TITLES[key]}", "", about, ""]
     if entry:
         lines += _figures(entry["runs"])
         lines += ["", f"`{entry['command']}` ({entry['launches']} launch"
@@ -205,24 +205,6 @@ def section(key: str, about: str, entry: dict | None, extra: str = "") -> list[s
         lines += ["", extra]
     return lines + [""]
 
-
-# Anchors the docs link to, kept on the section that now answers them.
-ANCHORS = {
-    "zero": ['<a id="zero-3-shardparameters-beside-the-other-stages"></a>'],
-    "gpu-check": ['<a id="gpu-check-first-runs-on-a-gpu-h200-2026-11-28"></a>'],
-}
-# Older anchors the docs link to whose content is now in RESULTS-history.md.
-MOVED = (
-    ("exact-mode-the-default-on-small-models", "the default on small models"),
-    ("exact-mode-accuracy-of-the-int32-and-float64-sums", "accuracy of the int32 and "
-     "float64 sums"),
-    ("exact-mode-the-compile", "the compile"),
-    ("exact-mode-several-slices-per-rank-v--8-the-fold-sum-and-the-per-slice-cost",
-     "several slices per rank (V = 8): the fold sum and the per-slice cost"),
-    ("exact-mode-threads-for-the-sum", "threads for the sum"),
-    ("exact-mode-what-the-v--8-targets-would-take-measured-2026-11-28-session-3",
-     "what the V = 8 targets would take"),
-)
 
 ABOUT = {
     "ddp-step":
@@ -335,9 +317,5 @@ def render(data: dict) -> str:
                          key not in q else "")
     with open(GPU_SECTION) as fh:
         gpu = fh.read().rstrip("\n")
-    lines += [f"## {TITLES['gpu-check']}", "", *ANCHORS["gpu-check"], gpu, ""]
-    lines += ["## Moved", "",
-              "Older sections the docs cite; their text is in the history page:", ""]
-    lines += [f'* <a id="{a}"></a>Exact mode, {what}: [{HISTORY}]({HISTORY}#{a})'
-              for a, what in MOVED]
+    lines += [f"## {TITLES['gpu-check']}", "", gpu]
     return "\n".join(lines) + "\n"
