@@ -37,7 +37,8 @@ DATA = os.path.join(ROOT, "benchmarks", "RESULTS-data.json")
 PY = sys.executable
 Figures = dict[str, float]
 PEER = "{peer}"  # the --peer-python
-PEER_BENCH = "/work/shared/tools/peer_shm_bench.py"
+# The peer benchmark lives in the workspace beside the repository, not in it.
+PEER_BENCH = os.path.join(os.path.dirname(ROOT), "shared", "tools", "peer_shm_bench.py")
 
 
 @dataclass(frozen=True)
