@@ -134,17 +134,28 @@ def test_init_from_a_directory_that_is_not_a_checkpoint(tmp_path):
 
 
 # ------------------------------------------------------------------ through the CLI
-INIT_JOB = ["--data", "synthetic", "--synthetic-size", "256", "--batch-size", "32",
-            "--epochs", "2", "--hidden", "32", "--threads", "1", "--no-progress",
-            "--nproc-per-node", "2"]
+INIT_TRAIN = ["--data", "synthetic", "--synthetic-size", "256", "--batch-size", "32",
+              "--epochs", "2", "--hidden", "32", "--threads", "1", "--no-progress"]
+INIT_JOB = [*INIT_TRAIN, "--nproc-per-node", "2"]
+
+
+def _train_in_pool(pools, argv: list[str], run_dir) -> None:
+    """An uninterrupted run of the job on 2 pooled ranks (no launch: the same bits as a
+    launched one, tests/train_reference.py)."""
+    from train_reference import train_in_pool
+
+    steps = pools(2).run(train_in_pool, list(argv), str(run_dir), timeout=300)
+    assert len(set(steps)) == 1 and steps[0] > 0, steps
 
 
 @pytest.mark.e2e
-def test_a_rerun_of_an_init_from_command_after_a_preemption_continues_its_own_run(tmp_path):
+def test_a_rerun_of_an_init_from_command_after_a_preemption_continues_its_own_run(pools,
+                                                                                 tmp_path):
     """A scheduler reruns the same ``--init-from`` command line after a preemption: the
     run continues from its own checkpoint, never from the init weights again. Between
     the two, the init directory is replaced by another run's weights, so a rerun that
-    took them again would end elsewhere than the uninterrupted run."""
+    took them again would end elsewhere than the uninterrupted run. The preempted run and
+    its rerun are launches; the runs they are compared with train on the pooled ranks."""
     import signal
 
     from ddpkit.fault import EXIT_PREEMPTED
@@ -159,13 +170,11 @@ def test_a_rerun_of_an_init_from_command_after_a_preemption_continues_its_own_ru
 
     init, other = tmp_path / "init", tmp_path / "other"
     for run, seed in ((init, "1"), (other, "2")):
-        code, text = _finish(_start(*INIT_JOB, "--epochs", "1", "--seed", seed,
-                                    "--run-dir", str(run), env=_env()))
-        assert code == 0, text[-3000:]
-    command = [*INIT_JOB, "--init-from", str(init), "--checkpoint-every-steps", "4"]
+        _train_in_pool(pools, [*INIT_TRAIN, "--epochs", "1", "--seed", seed], run)
+    options = [*INIT_TRAIN, "--init-from", str(init), "--checkpoint-every-steps", "4"]
+    command = [*options, "--nproc-per-node", "2"]
     whole = tmp_path / "whole"
-    code, text = _finish(_start(*command, "--run-dir", str(whole), env=_env()))
-    assert code == 0, text[-3000:]
+    _train_in_pool(pools, options, whole)
 
     run = tmp_path / "run"
     proc = _start(*command, "--run-dir", str(run), env=_env(DDPKIT_TEST_SLEEP_AT_STEP="5:*:120"))
@@ -183,8 +192,7 @@ def test_a_rerun_of_an_init_from_command_after_a_preemption_continues_its_own_ru
     _assert_same_params(run, whole)
     # The comparison can fail: the same command from the replaced weights ends elsewhere.
     fresh = tmp_path / "fresh"
-    code, text = _finish(_start(*command, "--run-dir", str(fresh), env=_env()))
-    assert code == 0, text[-3000:]
+    _train_in_pool(pools, options, fresh)
     ends, other_end = _final_params(whole), _final_params(fresh)
     assert any(not torch.equal(ends[k], other_end[k]) for k in ends)
 

@@ -289,26 +289,47 @@ def _debris(root: Path) -> list[str]:
     return left
 
 
+@pytest.fixture(scope="module")
+def full_disk_runs():
+    """writer -> (its tmpfs, exit code, output) of the default job on that writer's tmpfs.
+    The launches are independent (a tmpfs each), so they run a few at a time: most of a
+    launch is its processes starting. The tmpfs stay mounted until the module ends."""
+    import contextlib
+
+    runs: dict[str, tuple[Path, int, str]] = {}
+    with contextlib.ExitStack() as mounts:
+        writers = sorted(WRITERS)
+        for wave in (writers[:4], writers[4:]):
+            started = []
+            for writer in wave:
+                size_kib, options, _, _ = WRITERS[writer]
+                disk = mounts.enter_context(small_filesystem_or_skip(size_kib))
+                started.append((writer, disk, _start(
+                    *DEFAULT_JOB, *options, "--out-dir", str(disk / "out"),
+                    "--max-restarts", "2", env=_env())))
+            for writer, disk, proc in started:
+                runs[writer] = (disk, *_finish(proc))
+        yield runs
+
+
 @pytest.mark.chaos
 @pytest.mark.parametrize("writer", sorted(WRITERS))
-def test_a_full_disk_in_any_writer_is_one_line_and_final(writer):
-    size_kib, options, named, advice = WRITERS[writer]
-    with small_filesystem_or_skip(size_kib) as disk:
-        out = disk / "out"
-        code, text = _finish(_start(*DEFAULT_JOB, *options, "--out-dir", str(out),
-                                    "--max-restarts", "2", env=_env()))
-        assert code == EXIT_DISK_FULL, text[-3000:]
-        errors = [line for line in text.splitlines() if "error" in line.lower()]
-        assert len(errors) == 1, text[-3000:]
-        assert re.search(rf"ddpkit train: error: no space left on device (to write|writing "
-                         rf"in) {out}/[^ ]+/{named}\b.*[\d,]+ bytes( \([\d.]+ MiB\))? free "
-                         rf"there", errors[0]), errors[0]
-        (run,) = out.iterdir()
-        assert errors[0].endswith(advice.format(run=run)), errors[0]
-        assert "Traceback" not in text and not FRAME_DUMP.search(text)
-        assert text.count("run directory:") <= 1  # --max-restarts 2 did not restart into it
-        assert "restart" not in text.lower(), text[-3000:]
-        assert _debris(disk) == []
+def test_a_full_disk_in_any_writer_is_one_line_and_final(full_disk_runs, writer):
+    _, _, named, advice = WRITERS[writer]
+    disk, code, text = full_disk_runs[writer]
+    out = disk / "out"
+    assert code == EXIT_DISK_FULL, text[-3000:]
+    errors = [line for line in text.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, text[-3000:]
+    assert re.search(rf"ddpkit train: error: no space left on device (to write|writing "
+                     rf"in) {out}/[^ ]+/{named}\b.*[\d,]+ bytes( \([\d.]+ MiB\))? free "
+                     rf"there", errors[0]), errors[0]
+    (run,) = out.iterdir()
+    assert errors[0].endswith(advice.format(run=run)), errors[0]
+    assert "Traceback" not in text and not FRAME_DUMP.search(text)
+    assert text.count("run directory:") <= 1  # --max-restarts 2 did not restart into it
+    assert "restart" not in text.lower(), text[-3000:]
+    assert _debris(disk) == []
 
 
 @pytest.mark.chaos
