@@ -225,7 +225,8 @@ ABOUT = {
     "peer":
         "DeepSpeed 0.19.8's C++ shared-memory all-reduce (`deepspeed.comm.inference_all_reduce`, "
         "its shm op built and engaged) beside `ddpkit.comm.all_reduce(t)` and gloo, float32, "
-        "2 ranks (`shared/tools/peer_shm_bench.py` beside the repository, interleaved, median of 5; "
+        "2 ranks (`shared/tools/peer_shm_bench.py` beside the repository, interleaved, "
+        "median of 5; "
         "DeepSpeed is no dependency of ddpkit: a scratch environment with it is given to "
         "`run_all.py --peer-python`). Ratios are ddpkit's time / DeepSpeed's: below 1, "
         "ddpkit is faster.",
