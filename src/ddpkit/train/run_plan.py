@@ -84,13 +84,12 @@ class RunPlan:
             return None
         lock = RunLock.acquire(self.run_dir)
         if self.recheck:
-            try:
-                again = resume.run_to_continue(self.run_dir)
+            try:  # a finished run raises its own line here
+                if resume.run_to_continue(self.run_dir) != self.resume_dir:
+                    raise ConfigError(f"--run-dir {self.run_dir} was written by another "
+                                      "ddpkit train while this one started; run the same "
+                                      "command again")
             except BaseException:
                 lock.release()
                 raise
-            if again != self.resume_dir:
-                lock.release()
-                raise ConfigError(f"--run-dir {self.run_dir} was written by another ddpkit "
-                                  "train while this one started; run the same command again")
         return lock
